@@ -1,0 +1,139 @@
+// XLA FFI handlers (platform "cpu") for packed-document attention: convert to float32,
+// run the reference kernels, convert back.
+#include <vector>
+
+#include "../common/ffi_helpers.h"
+#include "../common/host_dtypes.h"
+#include "attention_cpu_kernels.h"
+#include "cpu_handlers.h"
+
+namespace jaxcp::cpu {
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::DataType;
+
+template <typename T>
+void widen(const AnyBuffer& b, std::vector<float>* out) {
+  const T* p = reinterpret_cast<const T*>(b.untyped_data());
+  out->resize(b.element_count());
+  for (size_t i = 0; i < out->size(); ++i) (*out)[i] = to_float(p[i]);
+}
+
+template <typename T>
+void narrow(const std::vector<float>& in, AnyBuffer* b) {
+  T* p = reinterpret_cast<T*>(b->untyped_data());
+  for (size_t i = 0; i < in.size(); ++i) p[i] = from_float<T>(in[i]);
+}
+
+}  // namespace
+
+ffi::Error to_float32(const AnyBuffer& b, std::vector<float>* out) {
+  switch (b.element_type()) {
+    case DataType::F32: widen<float>(b, out); return ffi::Error::Success();
+    case DataType::BF16: widen<bf16_t>(b, out); return ffi::Error::Success();
+    case DataType::F16: widen<f16_t>(b, out); return ffi::Error::Success();
+    default: return invalid("unsupported dtype (expected float32, bfloat16 or float16)");
+  }
+}
+
+ffi::Error from_float32(const std::vector<float>& in, AnyBuffer b) {
+  if (in.size() != b.element_count()) return internal_error("output size mismatch");
+  switch (b.element_type()) {
+    case DataType::F32: narrow<float>(in, &b); return ffi::Error::Success();
+    case DataType::BF16: narrow<bf16_t>(in, &b); return ffi::Error::Success();
+    case DataType::F16: narrow<f16_t>(in, &b); return ffi::Error::Success();
+    default: return invalid("unsupported dtype (expected float32, bfloat16 or float16)");
+  }
+}
+
+namespace {
+
+ffi::Error AttentionFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
+                            ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
+                            ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> out,
+                            ffi::ResultBuffer<ffi::F32> lse, bool is_causal, int64_t window_left,
+                            int64_t window_right, int64_t chunk_size, float scale) {
+  AttentionShape shape;
+  if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
+  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right,
+                                         chunk_size, scale, /*deterministic=*/true);
+  std::vector<float> qf, kf, vf, of(out->element_count());
+  for (auto [src, dst] : {std::pair{&q, &qf}, {&k, &kf}, {&v, &vf}})
+    if (auto e = to_float32(*src, dst); e.failure()) return e;
+  attention_fwd(a, qf.data(), kf.data(), vf.data(), q_seg.typed_data(), q_pos.typed_data(),
+                kv_seg.typed_data(), kv_pos.typed_data(), of.data(), lse->typed_data());
+  return from_float32(of, *out);
+}
+
+ffi::Error AttentionBwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer out,
+                            ffi::Buffer<ffi::F32> lse, AnyBuffer dout,
+                            ffi::Buffer<ffi::F32> dlse,
+                            ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
+                            ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
+                            ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
+                            ffi::Result<AnyBuffer> dv, bool is_causal, int64_t window_left,
+                            int64_t window_right, int64_t chunk_size, float scale,
+                            bool deterministic) {
+  AttentionShape shape;
+  if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
+  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right,
+                                         chunk_size, scale, deterministic);
+  std::vector<float> qf, kf, vf, of, dof;
+  for (auto [src, dst] : {std::pair{&q, &qf}, {&k, &kf}, {&v, &vf}, {&out, &of}, {&dout, &dof}})
+    if (auto e = to_float32(*src, dst); e.failure()) return e;
+  std::vector<float> dqf(dq->element_count()), dkf(dk->element_count()), dvf(dv->element_count());
+  attention_bwd(a, qf.data(), kf.data(), vf.data(), of.data(), lse.typed_data(), dof.data(),
+                dlse.typed_data(),
+                q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(),
+                kv_pos.typed_data(), dqf.data(), dkf.data(), dvf.data());
+  if (auto e = from_float32(dqf, *dq); e.failure()) return e;
+  if (auto e = from_float32(dkf, *dk); e.failure()) return e;
+  return from_float32(dvf, *dv);
+}
+
+}  // namespace
+}  // namespace jaxcp::cpu
+
+namespace ffi = xla::ffi;
+using xla::ffi::AnyBuffer;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_attention_fwd, jaxcp::cpu::AttentionFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("is_causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<int64_t>("chunk_size")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_attention_bwd, jaxcp::cpu::AttentionBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Ret<AnyBuffer>()
+                                  .Attr<bool>("is_causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<int64_t>("chunk_size")
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("deterministic"));

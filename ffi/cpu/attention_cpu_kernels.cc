@@ -1,0 +1,113 @@
+// Straightforward reference loops: online softmax per query row in float32. Work is
+// parallelised over (batch, kv head) so that dK/dV of a group are owned by one thread.
+#include "attention_cpu_kernels.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../common/mask.h"
+#include "parallel_for.h"
+
+namespace jaxcp::cpu {
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+struct Strides {
+  int64_t q_row, q_batch, kv_row, kv_batch;
+  explicit Strides(const AttentionShape& s)
+      : q_row(s.q_heads * s.head_dim),
+        q_batch(s.q_len * s.q_heads * s.head_dim),
+        kv_row(s.kv_heads * s.head_dim),
+        kv_batch(s.kv_len * s.kv_heads * s.head_dim) {}
+};
+
+}  // namespace
+
+void attention_fwd(const AttentionArgs& a, const float* q, const float* k, const float* v,
+                   const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
+                   const int32_t* kv_pos, float* out, float* lse) {
+  const AttentionShape& s = a.shape;
+  const Strides st(s);
+  const int64_t D = s.head_dim, G = s.group();
+  parallel_for(s.batch * s.kv_heads, [&](int64_t task) {
+    const int64_t b = task / s.kv_heads, hk = task % s.kv_heads;
+    std::vector<float> acc(D);
+    for (int64_t hq = hk * G; hq < (hk + 1) * G; ++hq) {
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        const float* qi = q + b * st.q_batch + i * st.q_row + hq * D;
+        const int32_t qs = q_seg[b * s.q_len + i], qp = q_pos[b * s.q_len + i];
+        float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < s.kv_len; ++j) {
+          if (!pair_allowed(qs, qp, kv_seg[b * s.kv_len + j], kv_pos[b * s.kv_len + j], a.mask))
+            continue;
+          const float* kj = k + b * st.kv_batch + j * st.kv_row + hk * D;
+          const float* vj = v + b * st.kv_batch + j * st.kv_row + hk * D;
+          const float sc = a.scale * dot(qi, kj, D);
+          const float m_new = std::max(m, sc);
+          const float corr = std::exp(m - m_new), p = std::exp(sc - m_new);
+          l = l * corr + p;
+          for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * corr + p * vj[d];
+          m = m_new;
+        }
+        float* oi = out + b * st.q_batch + i * st.q_row + hq * D;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int64_t d = 0; d < D; ++d) oi[d] = acc[d] * inv;
+        lse[(b * s.q_heads + hq) * s.q_len + i] =
+            l > 0.f ? m + std::log(l) : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+}
+
+void attention_bwd(const AttentionArgs& a, const float* q, const float* k, const float* v,
+                   const float* out, const float* lse, const float* dout, const float* dlse,
+                   const int32_t* q_seg,
+                   const int32_t* q_pos, const int32_t* kv_seg, const int32_t* kv_pos, float* dq,
+                   float* dk, float* dv) {
+  const AttentionShape& s = a.shape;
+  const Strides st(s);
+  const int64_t D = s.head_dim, G = s.group();
+  parallel_for(s.batch * s.kv_heads, [&](int64_t task) {
+    const int64_t b = task / s.kv_heads, hk = task % s.kv_heads;
+    for (int64_t j = 0; j < s.kv_len; ++j) {
+      std::fill_n(dk + b * st.kv_batch + j * st.kv_row + hk * D, D, 0.f);
+      std::fill_n(dv + b * st.kv_batch + j * st.kv_row + hk * D, D, 0.f);
+    }
+    for (int64_t hq = hk * G; hq < (hk + 1) * G; ++hq) {
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        const int64_t qoff = b * st.q_batch + i * st.q_row + hq * D;
+        float* dqi = dq + qoff;
+        std::fill_n(dqi, D, 0.f);
+        const int64_t row = (b * s.q_heads + hq) * s.q_len + i;
+        const float li = lse[row];
+        if (!std::isfinite(li)) continue;  // no allowed key: zero gradients
+        const float *qi = q + qoff, *oi = out + qoff, *doi = dout + qoff;
+        // d lse / d s_ij = p_ij, so the lse cotangent folds into delta.
+        const float delta = dot(doi, oi, D) - dlse[row];
+        const int32_t qs = q_seg[b * s.q_len + i], qp = q_pos[b * s.q_len + i];
+        for (int64_t j = 0; j < s.kv_len; ++j) {
+          if (!pair_allowed(qs, qp, kv_seg[b * s.kv_len + j], kv_pos[b * s.kv_len + j], a.mask))
+            continue;
+          const int64_t koff = b * st.kv_batch + j * st.kv_row + hk * D;
+          const float p = std::exp(a.scale * dot(qi, k + koff, D) - li);
+          const float ds = p * (dot(doi, v + koff, D) - delta);
+          float *dkj = dk + koff, *dvj = dv + koff;
+          for (int64_t d = 0; d < D; ++d) {
+            dvj[d] += p * doi[d];
+            dqi[d] += a.scale * ds * k[koff + d];
+            dkj[d] += a.scale * ds * qi[d];
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace jaxcp::cpu

@@ -1,0 +1,6 @@
+// FFI handler symbols of the CUDA module (defined in the *_cuda.cc handler files).
+#pragma once
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcp_cuda_attention_fwd);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd);

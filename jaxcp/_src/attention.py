@@ -1,0 +1,143 @@
+"""`jaxcp.attention`: argument checking, implementation choice and the custom VJP."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import masks, registry
+from .attention_primitive import AttentionConfig, attention_bwd_p, attention_fwd_p
+from .reference import attention_reference
+
+_IMPLEMENTATIONS = (None, "cuda", "cpu", "xla")
+_CP_STRATEGIES = ("auto", "all_gather", "ring")
+_CUDA_HEAD_DIMS = (64, 128, 256)
+_CUDA_DTYPES = (jnp.bfloat16, jnp.float16)
+_CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+# ---------------------------------------------------------------- differentiable kernel call
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _kernel_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
+  return tuple(attention_fwd_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config))
+
+
+def _kernel_attention_fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
+  out, lse = attention_fwd_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config)
+  return (out, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse)
+
+
+def _kernel_attention_bwd(config, residuals, cotangents):
+  q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dk, dv = attention_bwd_p.bind(q, k, v, out, lse, dout.astype(out.dtype),
+                                    dlse.astype(jnp.float32), q_seg, q_pos, kv_seg, kv_pos,
+                                    config=config)
+  return dq, dk, dv, None, None, None, None
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_qkv(query, key, value):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not hasattr(x, "ndim") or x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [B, S, H, D], got shape {getattr(x, 'shape', None)}.")
+    if x.dtype not in _CPU_DTYPES:
+      raise ValueError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}.")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise ValueError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}.")
+  b, _, hq, d = query.shape
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}.")
+  if key.shape[0] != b:
+    raise ValueError(f"key batch {key.shape[0]} != query batch {b}.")
+  if key.shape[3] != d:
+    raise ValueError(f"key head_dim {key.shape[3]} != query head_dim {d}.")
+  hkv = key.shape[2]
+  if hkv == 0 or hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) (MHA, GQA or MQA).")
+
+
+def _choose_implementation(implementation, dtype, head_dim) -> str:
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}.")
+  if implementation == "xla":
+    return "xla"
+  platform = registry.kernel_platform()
+  cuda_ok = dtype in _CUDA_DTYPES and head_dim in _CUDA_HEAD_DIMS
+  if implementation is None:
+    if platform == "cuda":
+      return "cuda" if cuda_ok else "xla"
+    return platform or "xla"
+  if implementation != platform:
+    raise ValueError(
+        f"implementation={implementation!r} is not available on the {registry.default_backend()!r} "
+        f"backend (available kernel: {platform!r}); use implementation=None or 'xla'.")
+  if implementation == "cuda" and not cuda_ok:
+    raise ValueError(
+        f"implementation='cuda' supports bfloat16/float16 and head_dim in {_CUDA_HEAD_DIMS}, "
+        f"got {dtype} and head_dim={head_dim}; use implementation=None to fall back to 'xla'.")
+  return implementation
+
+
+# ---------------------------------------------------------------- public API
+
+
+def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment_ids=None,
+              kv_positions=None, cu_seqlens=None, is_causal=False, local_window_size=None,
+              chunk_size=None, scale=None, context_parallel="auto", context_parallel_axis=None,
+              implementation=None, deterministic=False, return_residual=False):
+  """Packed-document attention: the mask model and API of DESIGN.md sections 1-2.
+
+  A query token i and key token j interact iff they share a non-zero segment id and their
+  positions satisfy the causal / window / chunk rules. Rows with no allowed key give output 0
+  (and LSE -inf) with zero gradients.
+
+  Args:
+    query: [B, Sq, Hq, D]. key, value: [B, Skv, Hkv, D] with Hq % Hkv == 0.
+    segment_ids, kv_segment_ids: int32 [B, Sq] / [B, Skv]; 0 marks padding.
+    positions, kv_positions: int32 positions inside each document (restart at 0 per document).
+    cu_seqlens: int32 [B, MAX_DOCS+1], an alternative to segment_ids for self attention.
+    is_causal, local_window_size (w or (left, right)), chunk_size: the mask rules.
+    scale: softmax scale, default D ** -0.5.
+    context_parallel, context_parallel_axis: strategy for a sharded sequence axis.
+    implementation: None (best available), "cuda", "cpu" or "xla" (pure-JAX reference).
+    deterministic: bitwise reproducible backward.
+    return_residual: also return the LSE, float32 [B, Hq, Sq].
+
+  Returns:
+    out [B, Sq, Hq, D] in query's dtype, or (out, lse) with return_residual=True.
+  """
+  _check_qkv(query, key, value)
+  b, sq, hq, d = query.shape
+  skv = key.shape[1]
+  spec = masks.make_mask_spec(is_causal, local_window_size, chunk_size)
+  if scale is None:
+    scale = d ** -0.5
+  elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    raise ValueError(f"scale must be None or a Python float, got {scale!r}.")
+  if context_parallel not in _CP_STRATEGIES:
+    raise ValueError(f"context_parallel must be one of {_CP_STRATEGIES}, got {context_parallel!r}.")
+  if context_parallel_axis is not None and not isinstance(context_parallel_axis, str):
+    raise ValueError(f"context_parallel_axis must be a mesh axis name (str) or None, got {context_parallel_axis!r}.")
+  if not isinstance(deterministic, bool):
+    raise ValueError(f"deterministic must be a bool, got {deterministic!r}.")
+  q_seg, q_pos, kv_seg, kv_pos = masks.token_arrays(
+      b, sq, skv, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
+      kv_positions=kv_positions, cu_seqlens=cu_seqlens)
+  impl = _choose_implementation(implementation, query.dtype, d)
+
+  if impl == "xla":
+    out, lse = attention_reference(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, float(scale))
+  else:
+    registry.ensure_registered()
+    config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis)
+    out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config)
+  return (out, lse) if return_residual else out

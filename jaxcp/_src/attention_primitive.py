@@ -1,0 +1,134 @@
+"""JAX primitives for packed-document attention.
+
+Two layers, as in JAX's own cuDNN attention:
+- `*_kernel_p` lowers to the FFI target `jaxcp_attention_<fwd|bwd>` of the current platform;
+- `*_p` (the public-facing primitive) carries the batching rule (vmap folds into the batch
+  axis) and lowers through `custom_partitioning`, which places the kernel per shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import compat
+from .mask_spec import MaskSpec
+
+FWD_TARGET = "jaxcp_attention_fwd"
+BWD_TARGET = "jaxcp_attention_bwd"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Static parameters of one attention call (hashable: it is a primitive parameter)."""
+  mask: MaskSpec
+  scale: float
+  deterministic: bool = False
+  context_parallel: str = "auto"        # "auto" | "all_gather" | "ring"
+  context_parallel_axis: str | None = None  # explicit axis inside shard_map
+
+  def ffi_attrs(self, with_deterministic: bool) -> dict:
+    attrs = dict(self.mask.ffi_attrs(), scale=np.float32(self.scale))
+    if with_deterministic:
+      attrs["deterministic"] = bool(self.deterministic)
+    return attrs
+
+
+# ---------------------------------------------------------------- kernel primitives
+
+
+def _fwd_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, config):
+  b, sq, hq, _ = q.shape
+  return (compat.ShapedArray(q.shape, q.dtype),
+          compat.ShapedArray((b, hq, sq), jnp.float32))
+
+
+def _bwd_abstract(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, *, config):
+  return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray(k.shape, k.dtype),
+          compat.ShapedArray(v.shape, v.dtype))
+
+
+def _kernel_lowering(target, with_deterministic):
+  rule = compat.ffi_lowering(target)
+
+  def lower(ctx, *args, config):
+    return rule(ctx, *args, **config.ffi_attrs(with_deterministic))
+
+  return lower
+
+
+def _make_primitive(name, abstract_eval):
+  p = compat.Primitive(name)
+  p.multiple_results = True
+  p.def_impl(functools.partial(compat.apply_primitive, p))
+  p.def_abstract_eval(abstract_eval)
+  return p
+
+
+attention_fwd_kernel_p = _make_primitive("jaxcp_attention_fwd_kernel", _fwd_abstract)
+attention_bwd_kernel_p = _make_primitive("jaxcp_attention_bwd_kernel", _bwd_abstract)
+for _platform in ("cpu", "cuda"):
+  compat.mlir.register_lowering(attention_fwd_kernel_p, _kernel_lowering(FWD_TARGET, False),
+                                platform=_platform)
+  compat.mlir.register_lowering(attention_bwd_kernel_p, _kernel_lowering(BWD_TARGET, True),
+                                platform=_platform)
+
+
+def fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
+  """Unpartitioned forward on local arrays: (out, lse)."""
+  return tuple(attention_fwd_kernel_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config))
+
+
+def bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config):
+  """Unpartitioned backward on local arrays: (dq, dk, dv)."""
+  return tuple(attention_bwd_kernel_p.bind(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg,
+                                           kv_pos, config=config))
+
+
+# ---------------------------------------------------------------- public-facing primitives
+
+attention_fwd_p = _make_primitive("jaxcp_attention_fwd", _fwd_abstract)
+attention_bwd_p = _make_primitive("jaxcp_attention_bwd", _bwd_abstract)
+
+
+def _fold_batch(x, dim, n):
+  """Moves a vmapped axis next to the batch axis and merges them: [n, B, ...] -> [n*B, ...]."""
+  if dim is compat.NOT_MAPPED:
+    x = jnp.broadcast_to(x, (n,) + x.shape)
+  else:
+    x = jnp.moveaxis(x, dim, 0)
+  return x.reshape((n * x.shape[1],) + x.shape[2:])
+
+
+def _batching_rule(primitive):
+  def rule(args, dims, *, config):
+    n = next(a.shape[d] for a, d in zip(args, dims) if d is not compat.NOT_MAPPED)
+    folded = [_fold_batch(a, d, n) for a, d in zip(args, dims)]
+    outs = primitive.bind(*folded, config=config)
+    outs = [o.reshape((n, o.shape[0] // n) + o.shape[1:]) for o in outs]
+    return outs, [0] * len(outs)
+
+  return rule
+
+
+for _p in (attention_fwd_p, attention_bwd_p):
+  compat.batching.primitive_batchers[_p] = _batching_rule(_p)
+  compat.requires_devices_during_lowering(_p)  # its lowering runs custom_partitioning
+
+
+def _register_partitioned_lowering():
+  # Imported here to keep the partitioning logic in its own module.
+  from . import attention_sharding
+
+  compat.mlir.register_lowering(
+      attention_fwd_p,
+      compat.mlir.lower_fun(attention_sharding.partitioned_fwd, multiple_results=True))
+  compat.mlir.register_lowering(
+      attention_bwd_p,
+      compat.mlir.lower_fun(attention_sharding.partitioned_bwd, multiple_results=True))
+
+
+_register_partitioned_lowering()

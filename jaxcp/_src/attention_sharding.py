@@ -1,0 +1,196 @@
+"""custom_partitioning of the attention primitives over batch (DP) and heads (TP).
+
+The batch axis and the head axis shard with no communication: every shard runs the kernel on
+its own rows and heads. Query heads and key/value heads must agree (GQA groups may not be split
+across a key/value head), which gives three cases for heads sharded n ways:
+  kv heads divisible by n  -> kv heads sharded like query heads;
+  each shard's query heads inside one kv head (n >= Hkv, e.g. MQA) -> K/V replicated on heads
+      and each shard slices its kv head (the backward then sums dK/dV over the head axis);
+  otherwise -> heads replicated.
+A sharded sequence axis is context parallelism, handled by `context_parallel`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import compat
+from .attention_primitive import bwd_kernel, fwd_kernel
+
+# Argument positions.
+_FWD_SEQ_ARGS = 7   # q, k, v, q_seg, q_pos, kv_seg, kv_pos
+_BWD_ARGS = 11      # q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos
+
+
+def _spec(shape_struct, ndim):
+  sharding = getattr(shape_struct, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return spec[:ndim]
+  return (None,) * ndim
+
+
+def _axis_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  if isinstance(axes, str):
+    axes = (axes,)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _axis_index(axes):
+  """Linear index of this shard along (possibly several) mesh axes."""
+  if isinstance(axes, str):
+    axes = (axes,)
+  idx = 0
+  for a in axes:
+    idx = idx * compat.axis_size(a) + jax.lax.axis_index(a)
+  return idx
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The shardings chosen for one call: mesh axes (or None) per logical dimension."""
+  batch: object
+  q_heads: object
+  kv_heads: object
+  slice_kv_head: bool   # shards pick their single kv head out of replicated K/V
+  q_seq: object = None
+  kv_seq: object = None
+
+  def q4(self):  # [B, S, Hq, D]
+    return P(self.batch, self.q_seq, self.q_heads, None)
+
+  def kv4(self):  # [B, S, Hkv, D]
+    return P(self.batch, self.kv_seq, self.kv_heads, None)
+
+  def lse(self):  # [B, Hq, S]
+    return P(self.batch, self.q_heads, self.q_seq)
+
+  def q_tok(self):  # [B, Sq]
+    return P(self.batch, self.q_seq)
+
+  def kv_tok(self):  # [B, Skv]
+    return P(self.batch, self.kv_seq)
+
+
+def choose_layout(mesh, q, k) -> Layout:
+  qspec = _spec(q, 4)
+  batch, heads = qspec[0], qspec[2]
+  b, _, hq, _ = q.shape
+  hkv = k.shape[2]
+  if b % _axis_size(mesh, batch):
+    batch = None
+  n = _axis_size(mesh, heads)
+  if heads is None or hq % n:
+    return Layout(batch, None, None, False)
+  if hkv % n == 0:
+    return Layout(batch, heads, heads, False)
+  group, local_q = hq // hkv, hq // n
+  if group % local_q == 0:
+    return Layout(batch, heads, None, True)
+  return Layout(batch, None, None, False)
+
+
+def _fwd_shardings(layout):
+  args = (layout.q4(), layout.kv4(), layout.kv4(), layout.q_tok(), layout.q_tok(),
+          layout.kv_tok(), layout.kv_tok())
+  return args, (layout.q4(), layout.lse())
+
+
+def _bwd_shardings(layout):
+  args = (layout.q4(), layout.kv4(), layout.kv4(), layout.q4(), layout.lse(), layout.q4(),
+          layout.lse(), layout.q_tok(), layout.q_tok(), layout.kv_tok(), layout.kv_tok())
+  return args, (layout.q4(), layout.kv4(), layout.kv4())
+
+
+def _named(mesh, specs):
+  return tuple(NamedSharding(mesh, s) for s in specs)
+
+
+# ---------------------------------------------------------------- forward
+
+
+def _fwd_infer(config, mesh, arg_shapes, result_shape):
+  layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
+  return _named(mesh, _fwd_shardings(layout)[1])
+
+
+def _fwd_partition(config, mesh, arg_shapes, result_shape):
+  layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
+  arg_specs, out_specs = _fwd_shardings(layout)
+  hq = arg_shapes[0].shape[2]
+  n_heads = _axis_size(mesh, layout.q_heads)
+
+  def lower(q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+    if layout.slice_kv_head:
+      head = (_axis_index(layout.q_heads) * (hq // n_heads)) // (hq // k.shape[2])
+      k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=2)
+      v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=2)
+    return fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
+
+  return mesh, lower, _named(mesh, out_specs), _named(mesh, arg_specs)
+
+
+def _fwd_rule(config, mesh, value_types, result_types):
+  return "b s h d, b t g d, b t g d, b s, b s, b t, b t -> b s h d, b h s"
+
+
+# ---------------------------------------------------------------- backward
+
+
+def _bwd_infer(config, mesh, arg_shapes, result_shape):
+  layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
+  return _named(mesh, _bwd_shardings(layout)[1])
+
+
+def _bwd_partition(config, mesh, arg_shapes, result_shape):
+  layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
+  arg_specs, out_specs = _bwd_shardings(layout)
+  hq = arg_shapes[0].shape[2]
+  n_heads = _axis_size(mesh, layout.q_heads)
+
+  def lower(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
+    if not layout.slice_kv_head:
+      return bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config)
+    hkv = k.shape[2]
+    head = (_axis_index(layout.q_heads) * (hq // n_heads)) // (hq // hkv)
+    k1 = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=2)
+    v1 = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=2)
+    dq, dk1, dv1 = bwd_kernel(q, k1, v1, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config)
+    # Several shards share this kv head: place the partial gradient and sum over the head axis.
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk = jax.lax.dynamic_update_slice_in_dim(zeros, dk1.astype(jnp.float32), head, axis=2)
+    dv = jax.lax.dynamic_update_slice_in_dim(zeros, dv1.astype(jnp.float32), head, axis=2)
+    dk = jax.lax.psum(dk, layout.q_heads).astype(k.dtype)
+    dv = jax.lax.psum(dv, layout.q_heads).astype(v.dtype)
+    return dq, dk, dv
+
+  return mesh, lower, _named(mesh, out_specs), _named(mesh, arg_specs)
+
+
+def _bwd_rule(config, mesh, value_types, result_types):
+  return ("b s h d, b t g d, b t g d, b s h d, b h s, b s h d, b h s, b s, b s, b t, b t"
+          " -> b s h d, b t g d, b t g d")
+
+
+# ---------------------------------------------------------------- wiring
+
+_fwd_cp = compat.custom_partitioning(fwd_kernel, static_argnums=(_FWD_SEQ_ARGS,))
+_fwd_cp.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_fwd_infer,
+                      sharding_rule=_fwd_rule)
+_bwd_cp = compat.custom_partitioning(bwd_kernel, static_argnums=(_BWD_ARGS,))
+_bwd_cp.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_bwd_infer,
+                      sharding_rule=_bwd_rule)
+
+
+def partitioned_fwd(*args, config):
+  return _fwd_cp(*args, config)
+
+
+def partitioned_bwd(*args, config):
+  return _bwd_cp(*args, config)

@@ -1,0 +1,51 @@
+"""Every JAX-internal or version-dependent import lives here (JAX 0.10 on CPU CI, 0.11 on GPUs).
+
+Other modules import from this file only, so a JAX upgrade touches one place.
+"""
+from __future__ import annotations
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning  # noqa: F401
+from jax.extend.core import Primitive  # noqa: F401
+from jax.interpreters import batching, mlir  # noqa: F401
+
+# jax._src.dispatch is private: it provides the eager impl of primitives, and the set of
+# primitives whose lowering needs the device assignment (custom_partitioning inside ours).
+from jax._src import dispatch as _dispatch
+
+apply_primitive = _dispatch.apply_primitive
+
+
+def requires_devices_during_lowering(primitive) -> None:
+  _dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# jax.shard_map is public from 0.7; older versions keep it in jax.experimental.
+if hasattr(jax, "shard_map"):
+  shard_map = jax.shard_map
+else:  # pragma: no cover
+  from jax.experimental.shard_map import shard_map  # type: ignore  # noqa: F401
+
+
+# The batch dimension JAX passes for an operand that vmap does not map (None in 0.10/0.11).
+NOT_MAPPED = getattr(batching, "not_mapped", None)
+
+
+def ffi_lowering(target_name: str):
+  return jax.ffi.ffi_lowering(target_name)
+
+
+def register_ffi_target(name: str, capsule, platform: str) -> None:
+  jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+def use_shardy() -> bool:
+  return bool(jax.config.jax_use_shardy_partitioner)
+
+
+def axis_size(axis_name) -> int:
+  """Size of a named mesh axis inside shard_map / custom_partitioning bodies."""
+  return jax.lax.axis_size(axis_name) if hasattr(jax.lax, "axis_size") else jax.lax.psum(1, axis_name)
+
+ShapedArray = jax.core.ShapedArray
