@@ -49,13 +49,16 @@ def segments_from_cu_seqlens(cu_seqlens, seq_len: int):
   if not isinstance(seq_len, (int, np.integer)) or seq_len < 0:
     raise ValueError(f"seq_len must be a non-negative int, got {seq_len!r}.")
   cu = jax.lax.cummax(jnp.clip(cu.astype(jnp.int32), 0, seq_len), axis=1)
-  t = jnp.arange(seq_len, dtype=jnp.int32)
-  # Document index of token t: how many document ends are <= t.
-  doc = jax.vmap(lambda ends: jnp.searchsorted(ends, t, side="right"))(cu[:, 1:]).astype(jnp.int32)
-  inside = (t[None, :] >= cu[:, :1]) & (t[None, :] < cu[:, -1:])
-  start = jnp.take_along_axis(cu, jnp.minimum(doc, cu.shape[1] - 1), axis=1)
+  t = jnp.arange(seq_len, dtype=jnp.int32)[None, :, None]
+  # Elementwise compare-and-reduce (XLA fuses it; nothing of size S*M is stored), which also
+  # keeps it free of gathers and scatters under explicitly sharded meshes.
+  ended = cu[:, None, 1:] <= t                              # [B, S, M]
+  doc = jnp.sum(ended, axis=-1, dtype=jnp.int32)            # documents ended at or before t
+  start = jnp.max(jnp.where(cu[:, None, :] <= t, cu[:, None, :], 0), axis=-1)
+  t = t[..., 0]
+  inside = (t >= cu[:, :1]) & (t < cu[:, -1:])
   segment_ids = jnp.where(inside, doc + 1, 0).astype(jnp.int32)
-  positions = jnp.where(inside, t[None, :] - start, 0).astype(jnp.int32)
+  positions = jnp.where(inside, t - start, 0).astype(jnp.int32)
   return segment_ids, positions
 
 
@@ -92,7 +95,12 @@ def make_mask_spec(is_causal, local_window_size, chunk_size) -> MaskSpec:
 
 def token_arrays(batch, q_len, kv_len, *, segment_ids, positions, kv_segment_ids, kv_positions,
                  cu_seqlens):
-  """Returns int32 (q_seg, q_pos, kv_seg, kv_pos) following DESIGN.md section 2 defaults."""
+  """Returns int32 (q_seg, q_pos, kv_seg, kv_pos) following DESIGN.md section 2 defaults.
+
+  In self attention (Sq == Skv, no kv_segment_ids) the key side mirrors the query side: kv
+  segment ids default to segment_ids and kv positions to `positions` when those are given, so a
+  load-balanced (permuted) row needs only segment_ids and positions.
+  """
   segment_ids = _check_int_array("segment_ids", segment_ids, (batch, q_len))
   kv_segment_ids = _check_int_array("kv_segment_ids", kv_segment_ids, (batch, kv_len))
   positions = _check_int_array("positions", positions, (batch, q_len))
@@ -136,8 +144,11 @@ def token_arrays(batch, q_len, kv_len, *, segment_ids, positions, kv_segment_ids
   else:  # no documents: bottom-right alignment of the query block against the keys
     q_pos = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32) + (kv_len - q_len), (batch, q_len))
 
+  self_attention = kv_segment_ids is None and cu_seqlens is None and q_len == kv_len
   if kv_positions is not None:
     kv_pos = kv_positions
+  elif self_attention and positions is not None:
+    kv_pos = q_pos  # self attention: the key side mirrors the query side (e.g. permuted rows)
   elif kv_pos_default is not None:
     kv_pos = kv_pos_default
   elif kv_segment_ids is not None or segment_ids is not None:

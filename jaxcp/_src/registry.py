@@ -31,10 +31,18 @@ def cuda_extension_available() -> bool:
   return _load("CUDA") is not None
 
 
+def _gpu_present() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
 def ensure_registered() -> None:
-  """Registers every extension that imports; safe to call many times."""
-  for platform in _EXTENSIONS:
-    _load(platform)
+  """Registers the extensions of the backends present; safe to call many times."""
+  _load("cpu")
+  if _gpu_present():
+    _load("CUDA")
 
 
 def default_backend() -> str:

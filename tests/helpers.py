@@ -1,0 +1,67 @@
+"""Shared test utilities: random packed batches and error metrics."""
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+
+def random_segments(rng: np.random.Generator, batch: int, seq_len: int, *, mean_doc: float,
+                    pad_tail: bool = True, min_doc: int = 1):
+  """Random packed rows: segment ids 1..n (contiguous documents) with an optional padding tail."""
+  seg = np.zeros((batch, seq_len), np.int32)
+  for b in range(batch):
+    t, doc = 0, 1
+    end = seq_len - (rng.integers(0, max(1, seq_len // 4)) if pad_tail else 0)
+    while t < end:
+      length = max(min_doc, int(rng.exponential(mean_doc)))
+      seg[b, t:min(end, t + length)] = doc
+      t += length
+      doc += 1
+  return seg
+
+
+def rel_err(a, b) -> float:
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  denom = np.linalg.norm(b)
+  return float(np.linalg.norm(a - b) / (denom if denom > 0 else 1.0))
+
+
+def qkv(rng: np.random.Generator, batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype):
+  q = rng.standard_normal((batch, q_len, q_heads, head_dim)).astype(np.float32)
+  k = rng.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
+  v = rng.standard_normal((batch, kv_len, kv_heads, head_dim)).astype(np.float32)
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def numpy_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, causal=False, window=None,
+                    chunk=None, scale=None):
+  """Independent float64 NumPy oracle of DESIGN.md section 1 (shares no code with jaxcp)."""
+  q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+  q_seg, q_pos, kv_seg, kv_pos = (np.asarray(x, np.int64) for x in (q_seg, q_pos, kv_seg, kv_pos))
+  b, sq, hq, d = q.shape
+  hkv = k.shape[2]
+  scale = d ** -0.5 if scale is None else scale
+  out = np.zeros((b, sq, hq, d))
+  lse = np.full((b, hq, sq), -np.inf)
+  for bi in range(b):
+    for i in range(sq):
+      allowed = (kv_seg[bi] == q_seg[bi, i]) & (q_seg[bi, i] != 0)
+      diff = q_pos[bi, i] - kv_pos[bi]
+      if causal:
+        allowed &= diff >= 0
+      if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        allowed &= (diff <= left) & (-diff <= right)
+      if chunk is not None:
+        allowed &= (q_pos[bi, i] // chunk) == (kv_pos[bi] // chunk)
+      if not allowed.any():
+        continue
+      for h in range(hq):
+        g = h // (hq // hkv)
+        s = (k[bi, allowed, g] @ q[bi, i, h]) * scale
+        m = s.max()
+        p = np.exp(s - m)
+        out[bi, i, h] = (p / p.sum()) @ v[bi, allowed, g]
+        lse[bi, h, i] = m + np.log(p.sum())
+  return out, lse

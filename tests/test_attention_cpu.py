@@ -1,0 +1,176 @@
+"""CPU kernel parity with the float64 NumPy oracle and the pure-JAX reference, every mask form."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcp
+from jaxcp._src.masks import positions_from_segments
+
+from .helpers import numpy_attention, qkv, random_segments, rel_err
+
+MASKS = [
+    dict(),
+    dict(is_causal=True),
+    dict(local_window_size=3),
+    dict(local_window_size=(4, 1)),
+    dict(is_causal=True, local_window_size=(6, 0)),
+    dict(chunk_size=5),
+    dict(is_causal=True, chunk_size=8),
+]
+
+
+def _oracle_kwargs(kw):
+  return dict(causal=kw.get("is_causal", False), window=kw.get("local_window_size"),
+              chunk=kw.get("chunk_size"))
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "full")
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_packed_self_attention_matches_oracle(mask, heads):
+  rng = np.random.default_rng(0)
+  b, s, d = 2, 40, 16
+  q, k, v = qkv(rng, b, s, s, heads[0], heads[1], d, jnp.float32)
+  seg = random_segments(rng, b, s, mean_doc=9)
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
+  out, lse = jaxcp.attention(q, k, v, segment_ids=seg, implementation="cpu", return_residual=True, **mask)
+  ref_out, ref_lse = numpy_attention(q, k, v, seg, pos, seg, pos, **_oracle_kwargs(mask))
+  assert rel_err(out, ref_out) < 1e-5
+  np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(ref_lse))
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2), (jnp.float16, 3e-3)])
+def test_dtypes_match_reference(dtype, tol):
+  rng = np.random.default_rng(1)
+  q, k, v = qkv(rng, 2, 33, 33, 4, 2, 24, dtype)
+  seg = random_segments(rng, 2, 33, mean_doc=7)
+  out = jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, implementation="cpu")
+  ref = jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, implementation="xla")
+  assert out.dtype == dtype
+  assert rel_err(out, ref) < tol
+
+
+def test_cu_seqlens_with_zero_length_docs_and_padding_tail():
+  rng = np.random.default_rng(2)
+  s = 32
+  q, k, v = qkv(rng, 2, s, s, 2, 2, 8, jnp.float32)
+  cu = np.array([[0, 5, 5, 12, 30, 30], [0, 1, 2, 32, 32, 32]], np.int32)  # row 0: tail 30..31 padding
+  out = jaxcp.attention(q, k, v, cu_seqlens=cu, is_causal=True, implementation="cpu")
+  seg, pos = jaxcp.segments_from_cu_seqlens(cu, s)
+  ref, _ = numpy_attention(q, k, v, seg, pos, seg, pos, causal=True)
+  assert rel_err(out, ref) < 1e-5
+  np.testing.assert_array_equal(np.asarray(out)[0, 30:], 0.0)  # padding rows are zero
+
+
+def test_explicit_positions_any_permutation():
+  """The mask depends on (segment, position) only: permuting tokens permutes the output."""
+  rng = np.random.default_rng(3)
+  s = 36
+  q, k, v = qkv(rng, 1, s, s, 2, 1, 8, jnp.float32)
+  seg = random_segments(rng, 1, s, mean_doc=10, pad_tail=False)
+  pos = positions_from_segments(jnp.asarray(seg))
+  perm = rng.permutation(s)
+  kw = dict(is_causal=True, local_window_size=(5, 0), implementation="cpu")
+  base = jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, **kw)
+  permuted = jaxcp.attention(q[:, perm], k[:, perm], v[:, perm], segment_ids=seg[:, perm],
+                             positions=pos[:, perm], **kw)
+  np.testing.assert_allclose(np.asarray(permuted), np.asarray(base)[:, perm], rtol=1e-5, atol=1e-6)
+
+
+def test_cross_attention_different_segmentations():
+  rng = np.random.default_rng(4)
+  q, k, v = qkv(rng, 2, 12, 30, 4, 2, 16, jnp.float32)
+  q_seg = np.array([[1] * 4 + [2] * 6 + [0] * 2, [1] * 12], np.int32)
+  kv_seg = np.array([[1] * 10 + [2] * 15 + [0] * 5, [1] * 30], np.int32)
+  out, lse = jaxcp.attention(q, k, v, segment_ids=q_seg, kv_segment_ids=kv_seg, implementation="cpu",
+                             return_residual=True)
+  q_pos = np.asarray(positions_from_segments(jnp.asarray(q_seg)))
+  kv_pos = np.asarray(positions_from_segments(jnp.asarray(kv_seg)))
+  ref, ref_lse = numpy_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+  assert rel_err(out, ref) < 1e-5
+
+
+def test_bottom_right_alignment_without_segments():
+  """No segments: query i sits at position i + (Skv - Sq), as in decoding with a KV cache."""
+  rng = np.random.default_rng(5)
+  q, k, v = qkv(rng, 1, 4, 10, 2, 2, 8, jnp.float32)
+  out = jaxcp.attention(q, k, v, is_causal=True, implementation="cpu")
+  ones_q, ones_kv = np.ones((1, 4), np.int32), np.ones((1, 10), np.int32)
+  ref, _ = numpy_attention(q, k, v, ones_q, np.arange(6, 10)[None], ones_kv, np.arange(10)[None], causal=True)
+  assert rel_err(out, ref) < 1e-5
+
+
+def test_empty_rows_give_zeros_minus_inf_and_zero_grads():
+  rng = np.random.default_rng(6)
+  q, k, v = qkv(rng, 1, 8, 8, 2, 2, 8, jnp.float32)
+  seg = np.array([[1, 1, 0, 0, 2, 2, 3, 3]], np.int32)
+  kv_seg = np.array([[1, 1, 1, 1, 2, 2, 2, 2]], np.int32)  # segment 3 has no keys
+  out, lse = jaxcp.attention(q, k, v, segment_ids=seg, kv_segment_ids=kv_seg, implementation="cpu",
+                             return_residual=True)
+  assert not np.isnan(np.asarray(out)).any()
+  np.testing.assert_array_equal(np.asarray(out)[0, [2, 3, 6, 7]], 0.0)
+  assert np.all(np.isneginf(np.asarray(lse)[0][:, [2, 3, 6, 7]]))
+
+  def loss(q, k, v):
+    return jnp.sum(jaxcp.attention(q, k, v, segment_ids=seg, kv_segment_ids=kv_seg, implementation="cpu") ** 2)
+
+  dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  for g in (dq, dk, dv):
+    assert not np.isnan(np.asarray(g)).any()
+  np.testing.assert_array_equal(np.asarray(dq)[0, [2, 3, 6, 7]], 0.0)
+
+
+def test_all_padding_batch_is_all_zero():
+  rng = np.random.default_rng(7)
+  q, k, v = qkv(rng, 1, 6, 6, 1, 1, 4, jnp.float32)
+  out = jaxcp.attention(q, k, v, segment_ids=np.zeros((1, 6), np.int32), implementation="cpu")
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+@pytest.mark.parametrize("mask", [dict(is_causal=True), dict(local_window_size=(3, 2), chunk_size=6)])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 1)])
+def test_gradients_match_reference(mask, heads):
+  rng = np.random.default_rng(8)
+  q, k, v = qkv(rng, 2, 24, 24, heads[0], heads[1], 8, jnp.float32)
+  seg = random_segments(rng, 2, 24, mean_doc=6)
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+  def loss(impl):
+    def f(q, k, v):
+      out, lse = jaxcp.attention(q, k, v, segment_ids=seg, implementation=impl, return_residual=True, **mask)
+      return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return f
+
+  got = jax.grad(loss("cpu"), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+  for g, r in zip(got, want):
+    assert rel_err(g, r) < 1e-5
+
+
+def test_check_grads_numerically():
+  from jax.test_util import check_grads
+  rng = np.random.default_rng(9)
+  q, k, v = qkv(rng, 1, 10, 10, 2, 1, 4, jnp.float32)
+  seg = np.array([[1] * 4 + [2] * 6], np.int32)
+  f = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, implementation="cpu")
+  check_grads(f, (q, k, v), order=1, modes=("rev",), atol=5e-2, rtol=5e-2)
+
+
+def test_deterministic_flag_is_bitwise_reproducible():
+  rng = np.random.default_rng(10)
+  q, k, v = qkv(rng, 2, 20, 20, 4, 2, 8, jnp.bfloat16)
+  f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jaxcp.attention(q, k, v, is_causal=True, deterministic=True,
+                                                               implementation="cpu").astype(jnp.float32) ** 2),
+                       argnums=(0, 1, 2)))
+  a, b = f(q, k, v), f(q, k, v)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+
+
+def test_default_implementation_on_cpu_is_the_kernel():
+  rng = np.random.default_rng(11)
+  q, k, v = qkv(rng, 1, 8, 8, 1, 1, 4, jnp.float32)
+  hlo = jax.jit(lambda q, k, v: jaxcp.attention(q, k, v)).lower(q, k, v).as_text()
+  assert "jaxcp_attention_fwd" in hlo
