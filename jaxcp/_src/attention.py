@@ -1,12 +1,13 @@
 """`jaxcp.attention`: argument checking, implementation choice and the custom VJP."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from . import masks, registry
+from . import context_parallel, masks, registry
 from .attention_primitive import AttentionConfig, attention_bwd_p, attention_fwd_p
 from .reference import attention_reference
 
@@ -20,22 +21,47 @@ _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # ---------------------------------------------------------------- differentiable kernel call
 
 
+def _cp_inside_shard_map(config, k, q):
+  """Strategy, axis and size for an explicit context_parallel_axis (inside jax.shard_map)."""
+  axis = config.context_parallel_axis
+  cp_size = context_parallel.axis_size(axis)
+  strategy = context_parallel.choose_strategy(config.context_parallel, cp_size, k.shape[1],
+                                              q.shape[2], k.shape[2])
+  return strategy, axis, cp_size, dataclasses.replace(config, context_parallel_axis=None)
+
+
+def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
+  if config.context_parallel_axis is None:
+    return tuple(attention_fwd_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config))
+  strategy, axis, cp_size, inner = _cp_inside_shard_map(config, k, q)
+  local = lambda *a: tuple(attention_fwd_p.bind(*a, config=inner))
+  return context_parallel.cp_fwd(strategy, local, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+
+
+def _backward(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config):
+  args = (q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos)
+  if config.context_parallel_axis is None:
+    return tuple(attention_bwd_p.bind(*args, config=config))
+  strategy, axis, cp_size, inner = _cp_inside_shard_map(config, k, q)
+  local = lambda *a: tuple(attention_bwd_p.bind(*a, config=inner))
+  return context_parallel.cp_bwd(strategy, local, axis, cp_size, *args)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _kernel_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
-  return tuple(attention_fwd_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config))
+  return _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
 
 
 def _kernel_attention_fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
-  out, lse = attention_fwd_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config)
+  out, lse = _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
   return (out, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse)
 
 
 def _kernel_attention_bwd(config, residuals, cotangents):
   q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse = residuals
   dout, dlse = cotangents
-  dq, dk, dv = attention_bwd_p.bind(q, k, v, out, lse, dout.astype(out.dtype),
-                                    dlse.astype(jnp.float32), q_seg, q_pos, kv_seg, kv_pos,
-                                    config=config)
+  dq, dk, dv = _backward(q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32),
+                         q_seg, q_pos, kv_seg, kv_pos, config)
   return dq, dk, dv, None, None, None, None
 
 
@@ -135,6 +161,9 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   impl = _choose_implementation(implementation, query.dtype, d)
 
   if impl == "xla":
+    if context_parallel_axis is not None:  # inside shard_map: the reference sees all of K/V
+      gather = lambda x: jax.lax.all_gather(x, context_parallel_axis, axis=1, tiled=True)
+      key, value, kv_seg, kv_pos = (gather(x) for x in (key, value, kv_seg, kv_pos))
     out, lse = attention_reference(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, float(scale))
   else:
     registry.ensure_registered()

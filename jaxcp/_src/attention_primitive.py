@@ -42,13 +42,15 @@ class AttentionConfig:
 
 def _fwd_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, config):
   b, sq, hq, _ = q.shape
-  return (compat.ShapedArray(q.shape, q.dtype),
-          compat.ShapedArray((b, hq, sq), jnp.float32))
+  return (compat.derived_aval(q, q.shape, q.dtype, (0, 1, 2, 3)),
+          compat.derived_aval(q, (b, hq, sq), jnp.float32, (0, 2, 1)))
 
 
 def _bwd_abstract(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, *, config):
-  return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray(k.shape, k.dtype),
-          compat.ShapedArray(v.shape, v.dtype))
+  same = (0, 1, 2, 3)
+  return (compat.derived_aval(q, q.shape, q.dtype, same),
+          compat.derived_aval(k, k.shape, k.dtype, same),
+          compat.derived_aval(v, v.shape, v.dtype, same))
 
 
 def _kernel_lowering(target, with_deterministic):

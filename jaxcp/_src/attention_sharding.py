@@ -7,7 +7,10 @@ across a key/value head), which gives three cases for heads sharded n ways:
   each shard's query heads inside one kv head (n >= Hkv, e.g. MQA) -> K/V replicated on heads
       and each shard slices its kv head (the backward then sums dK/dV over the head axis);
   otherwise -> heads replicated.
-A sharded sequence axis is context parallelism, handled by `context_parallel`.
+A sharded query sequence axis is context parallelism: when K/V are sharded on the sequence too,
+the partition runs `context_parallel` (all-gather or ring) over that mesh axis; when K/V are not
+sharded on the sequence (e.g. cross attention to a short context), every rank attends to all of
+K/V with no communication.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import compat
+from . import compat, context_parallel
 from .attention_primitive import bwd_kernel, fwd_kernel
 
 # Argument positions.
@@ -79,21 +82,46 @@ class Layout:
 
 
 def choose_layout(mesh, q, k) -> Layout:
-  qspec = _spec(q, 4)
-  batch, heads = qspec[0], qspec[2]
-  b, _, hq, _ = q.shape
-  hkv = k.shape[2]
+  qspec, kspec = _spec(q, 4), _spec(k, 4)
+  batch, heads, seq = qspec[0], qspec[2], qspec[1]
+  b, sq, hq, _ = q.shape
+  skv, hkv = k.shape[1], k.shape[2]
   if b % _axis_size(mesh, batch):
     batch = None
+  n_seq = _axis_size(mesh, seq)
+  if seq is not None and (sq % n_seq or skv % n_seq):
+    seq = None
+  kv_seq = seq if (seq is not None and kspec[1] is not None) else None
   n = _axis_size(mesh, heads)
   if heads is None or hq % n:
-    return Layout(batch, None, None, False)
+    return Layout(batch, None, None, False, seq, kv_seq)
   if hkv % n == 0:
-    return Layout(batch, heads, heads, False)
+    return Layout(batch, heads, heads, False, seq, kv_seq)
   group, local_q = hq // hkv, hq // n
   if group % local_q == 0:
-    return Layout(batch, heads, None, True)
-  return Layout(batch, None, None, False)
+    return Layout(batch, heads, None, True, seq, kv_seq)
+  return Layout(batch, None, None, False, seq, kv_seq)
+
+
+def _cp_plan(config, mesh, layout: Layout, q, k):
+  """(strategy, cp_size) when K/V are sharded over a context-parallel axis, else None."""
+  if layout.kv_seq is None:
+    return None
+  cp_size = _axis_size(mesh, layout.kv_seq)
+  strategy = context_parallel.choose_strategy(
+      config.context_parallel, cp_size, k.shape[1] // cp_size, q.shape[2], k.shape[2])
+  return strategy, cp_size
+
+
+def _kv_head_slicer(layout: Layout, hq: int, n_heads: int):
+  """For shards whose query heads all use one kv head: picks it out of replicated K/V."""
+  if not layout.slice_kv_head:
+    return None
+
+  def head_index(hkv):
+    return (_axis_index(layout.q_heads) * (hq // n_heads)) // (hq // hkv)
+
+  return head_index
 
 
 def _fwd_shardings(layout):
@@ -121,17 +149,22 @@ def _fwd_infer(config, mesh, arg_shapes, result_shape):
 
 
 def _fwd_partition(config, mesh, arg_shapes, result_shape):
-  layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
+  q, k = arg_shapes[0], arg_shapes[1]
+  layout = choose_layout(mesh, q, k)
   arg_specs, out_specs = _fwd_shardings(layout)
-  hq = arg_shapes[0].shape[2]
-  n_heads = _axis_size(mesh, layout.q_heads)
+  head_index = _kv_head_slicer(layout, q.shape[2], _axis_size(mesh, layout.q_heads))
+  plan = _cp_plan(config, mesh, layout, q, k)
+  local = lambda *a: fwd_kernel(*a, config)
 
   def lower(q, k, v, q_seg, q_pos, kv_seg, kv_pos):
-    if layout.slice_kv_head:
-      head = (_axis_index(layout.q_heads) * (hq // n_heads)) // (hq // k.shape[2])
-      k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=2)
-      v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=2)
-    return fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
+    if head_index is not None:
+      h = head_index(k.shape[2])
+      k, v = (jax.lax.dynamic_slice_in_dim(x, h, 1, axis=2) for x in (k, v))
+    if plan is None:
+      return local(q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+    strategy, cp_size = plan
+    return context_parallel.cp_fwd(strategy, local, layout.kv_seq, cp_size,
+                                   q, k, v, q_seg, q_pos, kv_seg, kv_pos)
 
   return mesh, lower, _named(mesh, out_specs), _named(mesh, arg_specs)
 
@@ -149,26 +182,31 @@ def _bwd_infer(config, mesh, arg_shapes, result_shape):
 
 
 def _bwd_partition(config, mesh, arg_shapes, result_shape):
-  layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
+  q, k = arg_shapes[0], arg_shapes[1]
+  layout = choose_layout(mesh, q, k)
   arg_specs, out_specs = _bwd_shardings(layout)
-  hq = arg_shapes[0].shape[2]
-  n_heads = _axis_size(mesh, layout.q_heads)
+  head_index = _kv_head_slicer(layout, q.shape[2], _axis_size(mesh, layout.q_heads))
+  plan = _cp_plan(config, mesh, layout, q, k)
+  local = lambda *a: bwd_kernel(*a, config)
 
-  def lower(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
-    if not layout.slice_kv_head:
-      return bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config)
-    hkv = k.shape[2]
-    head = (_axis_index(layout.q_heads) * (hq // n_heads)) // (hq // hkv)
-    k1 = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=2)
-    v1 = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=2)
-    dq, dk1, dv1 = bwd_kernel(q, k1, v1, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config)
+  def grads(q, k, v, *rest):
+    if plan is None:
+      return local(q, k, v, *rest)
+    strategy, cp_size = plan
+    return context_parallel.cp_bwd(strategy, local, layout.kv_seq, cp_size, q, k, v, *rest)
+
+  def lower(q, k, v, *rest):
+    if head_index is None:
+      return grads(q, k, v, *rest)
+    h = head_index(k.shape[2])
+    k1, v1 = (jax.lax.dynamic_slice_in_dim(x, h, 1, axis=2) for x in (k, v))
+    dq, dk1, dv1 = grads(q, k1, v1, *rest)
     # Several shards share this kv head: place the partial gradient and sum over the head axis.
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk = jax.lax.dynamic_update_slice_in_dim(zeros, dk1.astype(jnp.float32), head, axis=2)
-    dv = jax.lax.dynamic_update_slice_in_dim(zeros, dv1.astype(jnp.float32), head, axis=2)
-    dk = jax.lax.psum(dk, layout.q_heads).astype(k.dtype)
-    dv = jax.lax.psum(dv, layout.q_heads).astype(v.dtype)
-    return dq, dk, dv
+    def place(g, like):
+      full = jax.lax.dynamic_update_slice_in_dim(
+          jnp.zeros(like.shape, jnp.float32), g.astype(jnp.float32), h, axis=2)
+      return jax.lax.psum(full, layout.q_heads).astype(like.dtype)
+    return dq, place(dk1, k), place(dv1, v)
 
   return mesh, lower, _named(mesh, out_specs), _named(mesh, arg_specs)
 

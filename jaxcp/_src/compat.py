@@ -49,3 +49,16 @@ def axis_size(axis_name) -> int:
   return jax.lax.axis_size(axis_name) if hasattr(jax.lax, "axis_size") else jax.lax.psum(1, axis_name)
 
 ShapedArray = jax.core.ShapedArray
+
+
+def derived_aval(base, shape, dtype, dims):
+  """An output aval built from an input aval `base`, keeping its sharding-in-types and the
+  manual axes it varies over (shard_map's check_vma), with dimension i of the output taking the
+  sharding of base dimension dims[i] (None: replicated)."""
+  sharding = getattr(base, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return ShapedArray(shape, dtype)
+  spec = tuple(spec) + (None,) * (len(base.shape) - len(spec))
+  new_sharding = sharding.update(spec=[None if d is None else spec[d] for d in dims])
+  return base.update(shape=tuple(shape), dtype=dtype, sharding=new_sharding)

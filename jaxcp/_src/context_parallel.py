@@ -1,0 +1,127 @@
+"""Context-parallel attention over a sharded sequence axis: all-gather and ring.
+
+Both algorithms run on per-rank shards inside a body where the context-parallel mesh axis is
+bound (a custom_partitioning lowering under jax.jit, or a jax.shard_map). Because the mask
+depends only on per-token (segment id, position), K/V only need their segment ids and
+positions carried along; which rank a block came from never matters, so any load-balancing
+permutation of the tokens works unchanged.
+
+`local_fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos) -> (out, lse)` and
+`local_bwd(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos) -> (dq, dk, dv)` are
+the single-device kernels (already partitioned over any other mesh axes).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import compat
+
+STRATEGIES = ("auto", "all_gather", "ring")
+
+# "auto": gather K/V when they are cheap to move next to the attention work on them, i.e. for
+# few ranks, short local blocks, or GQA/MQA where K/V are much smaller than Q; ring otherwise.
+AUTO_RING_MIN_CP = 3
+AUTO_RING_MIN_LOCAL_KV = 4096
+AUTO_RING_MAX_GQA_RATIO = 4
+
+
+def choose_strategy(strategy: str, cp_size: int, local_kv_len: int, q_heads: int, kv_heads: int) -> str:
+  """Resolves "auto" to "all_gather" or "ring" (see the constants above)."""
+  if strategy != "auto":
+    return strategy
+  if (cp_size < AUTO_RING_MIN_CP or local_kv_len < AUTO_RING_MIN_LOCAL_KV
+      or q_heads // kv_heads >= AUTO_RING_MAX_GQA_RATIO):
+    return "all_gather"
+  return "ring"
+
+
+def _ring_perm(cp_size: int):
+  return [(j, (j + 1) % cp_size) for j in range(cp_size)]
+
+
+def _merge(out, lse, out_i, lse_i):
+  """Combines two partial softmax results over disjoint key sets (float32 accumulators)."""
+  lse_new = jnp.logaddexp(lse, lse_i)
+  finite = jnp.isfinite(lse_new)
+  safe = jnp.where(finite, lse_new, 0.0)
+  w_old = jnp.where(finite, jnp.exp(lse - safe), 0.0)
+  w_new = jnp.where(finite, jnp.exp(lse_i - safe), 0.0)
+  # lse is [B, H, S]; out is [B, S, H, D].
+  to_out = lambda w: jnp.swapaxes(w, 1, 2)[..., None]
+  return out * to_out(w_old) + out_i.astype(jnp.float32) * to_out(w_new), lse_new
+
+
+# ---------------------------------------------------------------- all-gather
+
+
+def all_gather_fwd(local_fwd, axis, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+  gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
+  return local_fwd(q, gather(k), gather(v), q_seg, q_pos, gather(kv_seg), gather(kv_pos))
+
+
+def all_gather_bwd(local_bwd, axis, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
+  # Gathered again rather than saved from the forward: memory stays O(local).
+  gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
+  dq, dk, dv = local_bwd(q, gather(k), gather(v), out, lse, dout, dlse, q_seg, q_pos,
+                         gather(kv_seg), gather(kv_pos))
+  scatter = lambda x, like: jax.lax.psum_scatter(
+      x.astype(jnp.float32), axis, scatter_dimension=1, tiled=True).astype(like.dtype)
+  return dq, scatter(dk, k), scatter(dv, v)
+
+
+# ---------------------------------------------------------------- ring
+
+
+def ring_fwd(local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+  """cp steps; step i attends to the K/V block that started i ranks back. The next block's
+  collective-permute is issued before this step's kernel so the two overlap."""
+  perm = _ring_perm(cp_size)
+  b, sq, hq, d = q.shape
+  out = jnp.zeros((b, sq, hq, d), jnp.float32)
+  lse = jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
+  block = (k, v, kv_seg, kv_pos)
+  for step in range(cp_size):
+    nxt = jax.lax.ppermute(block, axis, perm) if step + 1 < cp_size else None
+    out_i, lse_i = local_fwd(q, *block[:2], q_seg, q_pos, *block[2:])
+    out, lse = _merge(out, lse, out_i, lse_i)
+    block = nxt
+  return out.astype(q.dtype), lse
+
+
+def ring_bwd(local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
+  """dK/dV accumulators travel with their K/V block and take one last hop home."""
+  perm = _ring_perm(cp_size)
+  dq = jnp.zeros(q.shape, jnp.float32)
+  block = (k, v, kv_seg, kv_pos)
+  dk_acc = jnp.zeros(k.shape, jnp.float32)
+  dv_acc = jnp.zeros(v.shape, jnp.float32)
+  for step in range(cp_size):
+    nxt = jax.lax.ppermute(block, axis, perm) if step + 1 < cp_size else None
+    kb, vb, segb, posb = block
+    dq_i, dk_i, dv_i = local_bwd(q, kb, vb, out, lse, dout, dlse, q_seg, q_pos, segb, posb)
+    dq = dq + dq_i.astype(jnp.float32)
+    dk_acc = dk_acc + dk_i.astype(jnp.float32)
+    dv_acc = dv_acc + dv_i.astype(jnp.float32)
+    dk_acc, dv_acc = jax.lax.ppermute((dk_acc, dv_acc), axis, perm)
+    block = nxt
+  return dq.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def cp_fwd(strategy, local_fwd, axis, cp_size, *args):
+  if strategy == "ring":
+    return ring_fwd(local_fwd, axis, cp_size, *args)
+  return all_gather_fwd(local_fwd, axis, *args)
+
+
+def cp_bwd(strategy, local_bwd, axis, cp_size, *args):
+  if strategy == "ring":
+    return ring_bwd(local_bwd, axis, cp_size, *args)
+  return all_gather_bwd(local_bwd, axis, *args)
+
+
+def axis_size(axis) -> int:
+  return compat.axis_size(axis)
