@@ -1,6 +1,16 @@
 """jaxcp: packed-document and small-sequence attention kernels for JAX, with context parallelism."""
 from jaxcp._src.attention import attention
+from jaxcp._src.load_balance import (apply_permutation, invert_permutation, load_balance,
+                                     load_balance_permutation, restore_order)
 from jaxcp._src.masks import segments_from_cu_seqlens
 
-__all__ = ["attention", "segments_from_cu_seqlens"]
+__all__ = [
+    "attention",
+    "segments_from_cu_seqlens",
+    "load_balance",
+    "restore_order",
+    "load_balance_permutation",
+    "apply_permutation",
+    "invert_permutation",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,225 @@
+"""Packed-document attention: jaxcp vs JAX's cuDNN (packed q_offsets form and dense causal) and
+XLA, side by side in one process, with a bf16 matmul and a device copy measured in the same run.
+
+FLOPs count allowed pairs only: forward 4*D*Hq*pairs, forward+backward 3.5x that.
+Writes JSON + markdown (+ a PNG plot) to $OUT or benchmarks/results/.
+
+  python benchmarks/bench_attention.py            # the full GPU case list
+  python benchmarks/bench_attention.py --quick    # tiny shapes, runs on the CPU too
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+import common  # noqa: E402
+
+import jaxcp  # noqa: E402
+
+
+@dataclasses.dataclass
+class Case:
+  name: str
+  batch: int
+  seq_len: int
+  mean_doc: int          # 0: one document per row (dense)
+  q_heads: int = 16
+  kv_heads: int = 16
+  head_dim: int = 128
+  window: int | None = None   # keys within [q - window + 1, q]
+  chunk: int | None = None
+  xla: bool = False
+
+
+GPU_CASES = [
+    Case("2x8k doc1k", 2, 8192, 1024, xla=True),
+    Case("2x8k doc1k D64", 2, 8192, 1024, head_dim=64),
+    Case("2x8k doc1k D256", 2, 8192, 1024, head_dim=256),
+    Case("2x8k dense", 2, 8192, 0),
+    Case("4x16k doc4k", 4, 16384, 4096),
+    Case("4x16k doc4k 32/8", 4, 16384, 4096, q_heads=32, kv_heads=8),
+    Case("4x16k doc4k win1024", 4, 16384, 4096, window=1024),
+    Case("4x16k doc4k chunk2048", 4, 16384, 4096, chunk=2048),
+    Case("1x32k doc2k", 1, 32768, 2048),
+    Case("1x64k doc1k", 1, 65536, 1024),
+    Case("1x128k doc8k", 1, 131072, 8192),
+    Case("1x128k doc8k 32/8", 1, 131072, 8192, q_heads=32, kv_heads=8),
+]
+
+QUICK_CASES = [
+    Case("quick 2x256 doc64", 2, 256, 64, q_heads=4, kv_heads=2, head_dim=64, xla=True),
+    Case("quick 1x512 doc128 win", 1, 512, 128, q_heads=2, kv_heads=2, head_dim=64, window=64, xla=True),
+]
+
+
+def _cudnn_packed(case: Case, rows, dtype):
+  """JAX's cuDNN attention in its packed-document form (q_seqlen/q_offsets), or None."""
+  if case.chunk is not None:
+    return None  # cuDNN has no chunked mask
+  from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+  max_docs = max(len(r) for r in rows)
+  seqlen = np.full((case.batch, max_docs), -1, np.int32)
+  offsets = np.full((case.batch, max_docs + 1), -1, np.int32)
+  for b, lengths in enumerate(rows):
+    seqlen[b, :len(lengths)] = lengths
+    offsets[b, :len(lengths) + 1] = np.concatenate([[0], np.cumsum(lengths)])
+  seqlen, offsets = jnp.asarray(seqlen), jnp.asarray(offsets)
+  scale = case.head_dim ** -0.5
+
+  def f(q, k, v):
+    return dot_product_attention(q, k, v, None, None, seqlen, seqlen, offsets, offsets, scale=scale,
+                                 mask_type=MaskType.PADDING_CAUSAL, sliding_window_length=case.window)
+  return f
+
+
+def _cudnn_dense(case: Case):
+  if case.mean_doc or case.window or case.chunk:
+    return None
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def _jaxcp(case: Case, seg, pos, implementation=None):
+  seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+  window = (case.window - 1, 0) if case.window else None
+
+  def f(q, k, v):
+    return jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=True, local_window_size=window,
+                           chunk_size=case.chunk, implementation=implementation)
+  return f
+
+
+def _time_pair(fn, q, k, v, dout):
+  fwd = jax.jit(fn)
+  fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
+  return common.time_fn(fwd, q, k, v), common.time_fn(fwd_bwd, q, k, v, dout)
+
+
+def run_case(case: Case, dtype, quick: bool):
+  rng = np.random.default_rng(0)
+  rows = common.packed_rows(rng, case.batch, case.seq_len, case.mean_doc) if case.mean_doc else \
+      [[case.seq_len]] * case.batch
+  seg, pos = common.segments_and_positions(rows, case.seq_len)
+  window = (case.window - 1, 0) if case.window else None
+  pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
+  fwd_flops = 4 * case.head_dim * case.q_heads * pairs
+  key = jax.random.PRNGKey(1)
+  shape_q = (case.batch, case.seq_len, case.q_heads, case.head_dim)
+  shape_kv = (case.batch, case.seq_len, case.kv_heads, case.head_dim)
+  q = jax.random.normal(key, shape_q, dtype)
+  k = jax.random.normal(jax.random.fold_in(key, 1), shape_kv, dtype)
+  v = jax.random.normal(jax.random.fold_in(key, 2), shape_kv, dtype)
+  dout = jax.random.normal(jax.random.fold_in(key, 3), shape_q, dtype)
+
+  impls = {"jaxcp": _jaxcp(case, seg, pos)}
+  if not quick:
+    impls["cudnn_packed"] = _cudnn_packed(case, rows, dtype)
+    impls["cudnn_dense"] = _cudnn_dense(case)
+  if case.xla:
+    impls["xla"] = _jaxcp(case, seg, pos, implementation="xla")
+  result = dict(case=dataclasses.asdict(case), docs_per_row=[len(r) for r in rows], allowed_pairs=pairs,
+                fwd_flops=fwd_flops)
+  for name, fn in impls.items():
+    if fn is None:
+      continue
+    try:
+      t_fwd, t_fb = _time_pair(fn, q, k, v, dout)
+      result[name] = dict(fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fb * 1e3, fwd_tflops=fwd_flops / t_fwd / 1e12,
+                          fwd_bwd_tflops=3.5 * fwd_flops / t_fb / 1e12)
+    except Exception as e:  # out of memory or unsupported: recorded, never fatal
+      msg = str(e).splitlines()[0][:200]
+      result[name] = dict(error="OOM" if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else msg)
+      if "OOM" not in result[name]["error"]:
+        traceback.print_exc(limit=2)
+  return result
+
+
+def _fmt(r, key):
+  if r is None:
+    return "-"
+  if "error" in r:
+    return "OOM" if r["error"] == "OOM" else "err"
+  return f"{r[key]:.0f}" if r[key] >= 10 else f"{r[key]:.2f}"
+
+
+def _ratio(a, b, key):
+  if not a or not b or "error" in a or "error" in b:
+    return "-"
+  return f"{a[key] / b[key]:.2f}x"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help="tiny shapes (runs on the CPU)")
+  ap.add_argument("--only", default=None, help="substring filter on case names")
+  ap.add_argument("--out", default=None, help="output folder (default $OUT or benchmarks/results)")
+  args = ap.parse_args(argv)
+  quick = args.quick or jax.default_backend() == "cpu"
+  dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  cases = QUICK_CASES if quick else GPU_CASES
+  if args.only:
+    cases = [c for c in cases if args.only in c.name]
+
+  meta = common.run_metadata()
+  if not quick:
+    meta["matmul_bf16_tflops"] = common.measure_matmul_tflops()
+    meta["copy_gbps"] = common.measure_copy_gbps()
+  results = []
+  for case in cases:
+    r = run_case(case, dtype, quick)
+    results.append(r)
+    print(f"{case.name}: " + ", ".join(f"{k} {_fmt(r.get(k), 'fwd_tflops')}/{_fmt(r.get(k), 'fwd_bwd_tflops')}"
+                                        for k in ("jaxcp", "cudnn_packed", "cudnn_dense", "xla") if k in r), flush=True)
+
+  header = ["case", "docs/row", "jaxcp fwd", "jaxcp fwd+bwd", "cuDNN packed fwd", "cuDNN packed fwd+bwd",
+            "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd", "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN"]
+  rows = []
+  for r in results:
+    cud = r.get("cudnn_packed") or r.get("cudnn_dense")
+    rows.append([r["case"]["name"], f"{np.mean(r['docs_per_row']):.1f}"]
+                + [_fmt(r.get(n), k) for n in ("jaxcp", "cudnn_packed", "cudnn_dense", "xla")
+                   for k in ("fwd_tflops", "fwd_bwd_tflops")]
+                + [_ratio(r.get("jaxcp"), cud, "fwd_tflops"), _ratio(r.get("jaxcp"), cud, "fwd_bwd_tflops")])
+  md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}. TFLOP/s over allowed pairs "
+        f"(fwd 4*D*Hq*pairs, fwd+bwd 3.5x).")
+  if "matmul_bf16_tflops" in meta:
+    md += f" Same run: bf16 8k matmul {meta['matmul_bf16_tflops']:.0f} TFLOP/s, copy {meta['copy_gbps']:.0f} GB/s."
+  md = md + "\n\n" + common.markdown_table(header, rows)
+  out_dir = common.write_results("attention", dict(meta=meta, results=results), md, args.out)
+  _plot(results, out_dir)
+  print(md)
+
+
+def _plot(results, out_dir):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  impls = [n for n in ("jaxcp", "cudnn_packed", "cudnn_dense", "xla") if any(n in r for r in results)]
+  fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=False)
+  x = np.arange(len(results))
+  width = 0.8 / max(1, len(impls))
+  for ax, key, title in zip(axes, ("fwd_tflops", "fwd_bwd_tflops"), ("forward", "forward+backward")):
+    for i, n in enumerate(impls):
+      vals = [r[n][key] if n in r and "error" not in r[n] else 0 for r in results]
+      ax.bar(x + i * width, vals, width, label=n)
+    ax.set_xticks(x + width * (len(impls) - 1) / 2)
+    ax.set_xticklabels([r["case"]["name"] for r in results], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("TFLOP/s (allowed pairs)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(f"{out_dir}/attention.png", dpi=120)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,114 @@
+"""Shared benchmark utilities: timing, ceilings measured in the same run, packed rows, output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def time_fn(fn, *args, warmup: int = 2, reps: int = 10) -> float:
+  """Median wall time (seconds) of a jitted call, synchronised with block_until_ready."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def measure_matmul_tflops(n: int = 8192, dtype=jnp.bfloat16) -> float:
+  """bf16 n x n x n matmul throughput on random data, the compute ceiling of this run."""
+  key = jax.random.PRNGKey(0)
+  a = jax.random.normal(key, (n, n), dtype)
+  b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), dtype)
+  t = time_fn(jax.jit(lambda a, b: a @ b), a, b, reps=10)
+  return 2 * n**3 / t / 1e12
+
+
+def measure_copy_gbps(nbytes: int = 2 << 30) -> float:
+  """Device-to-device copy bandwidth (bytes read + written per second, GB/s)."""
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  t = time_fn(jax.jit(lambda x: x * 1.0 + 0.0), x, reps=10)  # a fused elementwise copy
+  return 2 * nbytes / t / 1e9
+
+
+def device_description() -> str:
+  d = jax.devices()[0]
+  return f"{getattr(d, 'device_kind', d.platform)} x{len(jax.devices())}"
+
+
+def run_metadata() -> dict:
+  return dict(device=device_description(), backend=jax.default_backend(), jax=jax.__version__,
+              date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node())
+
+
+def packed_rows(rng: np.random.Generator, batch: int, seq_len: int, mean_doc: int):
+  """Document lengths per row: exponential around mean_doc (at least 16 tokens), filling the row."""
+  rows = []
+  for _ in range(batch):
+    lengths, total = [], 0
+    while total < seq_len:
+      n = int(max(16, rng.exponential(mean_doc)))
+      n = min(n, seq_len - total)
+      lengths.append(n)
+      total += n
+    rows.append(lengths)
+  return rows
+
+
+def segments_and_positions(rows, seq_len):
+  seg = np.zeros((len(rows), seq_len), np.int32)
+  pos = np.zeros((len(rows), seq_len), np.int32)
+  for b, lengths in enumerate(rows):
+    t = 0
+    for i, n in enumerate(lengths):
+      seg[b, t:t + n] = i + 1
+      pos[b, t:t + n] = np.arange(n)
+      t += n
+  return seg, pos
+
+
+def allowed_pairs(rows, *, causal: bool, window=None, chunk=None) -> int:
+  """Number of allowed (query, key) pairs: documents are independent, per-query closed form."""
+  left, right = window if window is not None else (None, None)
+  total = 0
+  for lengths in rows:
+    for n in lengths:
+      p = np.arange(n, dtype=np.int64)
+      lo = np.zeros(n, np.int64)
+      hi = p.copy() if causal else np.full(n, n - 1, np.int64)
+      if left is not None:
+        lo = np.maximum(lo, p - left)
+      if right is not None and not causal:
+        hi = np.minimum(hi, p + right)
+      if chunk is not None:
+        start = (p // chunk) * chunk
+        lo = np.maximum(lo, start)
+        hi = np.minimum(hi, np.minimum(start + chunk - 1, n - 1))
+      total += int(np.maximum(hi - lo + 1, 0).sum())
+  return total
+
+
+def write_results(name: str, payload: dict, markdown: str, out_dir: str | None = None) -> str:
+  out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    json.dump(payload, f, indent=1)
+  with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+    f.write(markdown)
+  return out_dir
+
+
+def markdown_table(header, rows) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+  return "\n".join(lines) + "\n"

@@ -1,0 +1,297 @@
+"""Document packing for packed-document training: numpy only, for the input pipeline.
+
+:func:`pack_documents` packs a list of token arrays into rows of ``seq_len`` tokens and returns
+everything ``jaxcp.attention`` and a next-token loss need (:class:`PackedBatch`);
+:func:`iter_packed_batches` does the same over a stream of documents, batch by batch.
+
+Conventions (DESIGN.md sections 1 and 2):
+
+* ``segment_ids``: documents of a row are numbered 1..n in row order; padding is 0.
+* ``positions``: position inside the document, restarting at 0 for each document (a document
+  longer than ``seq_len`` is split into pieces of at most ``seq_len`` tokens, and each piece is
+  a document of its own, positions restarting at 0).
+* ``cu_seqlens``: ``[0, e1, ..., en, en, ..., en]``: document ``i`` is ``[cu[i], cu[i+1])``,
+  repeated values are zero-length documents, and tokens at or after ``cu[-1]`` are padding. The
+  row is padded with repeats of its last real end (not with ``seq_len``), so the padding tail is
+  not a document; ``jaxcp.segments_from_cu_seqlens(cu_seqlens, seq_len)`` gives back exactly
+  ``segment_ids`` and ``positions`` (padding positions are 0).
+* ``labels[t] = tokens[t + 1]`` when ``t + 1`` is in the same document, and ``loss_mask[t] = 1``
+  exactly there: no prediction across a document boundary (nor across the cut of a split
+  document), none from padding; elsewhere ``labels`` is ``pad_id`` and ``loss_mask`` 0.
+
+Packing strategies: ``"best_fit"`` (best-fit decreasing: pieces longest first, each into the
+open row with the least room that still fits it; the least padding) and ``"greedy"`` (next fit
+in input order: a row is closed when the next document does not fit; keeps document order).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+__all__ = ["PackedBatch", "pack_documents", "iter_packed_batches", "PACKING_STRATEGIES"]
+
+PACKING_STRATEGIES = ("best_fit", "greedy")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+  """Packed rows; all arrays are numpy, ``N`` rows of ``S = seq_len`` tokens.
+
+  Attributes:
+    tokens: int32 [N, S]; padding is ``pad_id``.
+    segment_ids: int32 [N, S]; 1..n per row in row order, 0 for padding.
+    positions: int32 [N, S]; position inside the document (0 on padding).
+    cu_seqlens: int32 [N, MAX_DOCS + 1]; ``[0, e1, ..., en, en, ..., en]`` (see module doc).
+    labels: int32 [N, S]; next token inside the document, ``pad_id`` where ``loss_mask`` is 0.
+    loss_mask: float32 [N, S]; 1.0 where ``labels`` is a real next token of the same document.
+    document_ids: int32 [N, MAX_DOCS]; index of the source document (in the input list or the
+      stream) of each segment, -1 for unused slots.
+    document_offsets: int32 [N, MAX_DOCS]; where each segment starts inside its source
+      document (non-zero for the later pieces of a split document), 0 for unused slots.
+  """
+
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+  positions: np.ndarray
+  cu_seqlens: np.ndarray
+  labels: np.ndarray
+  loss_mask: np.ndarray
+  document_ids: np.ndarray
+  document_offsets: np.ndarray
+
+  @property
+  def num_rows(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def seq_len(self) -> int:
+    return self.tokens.shape[1]
+
+  def to_dict(self) -> dict[str, np.ndarray]:
+    """The arrays as a dict (field name -> array), e.g. to feed ``jax.device_put``."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# A piece of a document: (document index, offset inside the document, token view).
+_Piece = tuple[int, int, np.ndarray]
+
+
+def _check_args(seq_len, strategy, max_docs_per_row, pad_id):
+  if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+    raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}.")
+  if strategy not in PACKING_STRATEGIES:
+    raise ValueError(f"Unknown strategy {strategy!r}; expected one of {PACKING_STRATEGIES}.")
+  if max_docs_per_row is not None and (
+      isinstance(max_docs_per_row, bool) or not isinstance(max_docs_per_row, (int, np.integer))
+      or max_docs_per_row < 1):
+    raise ValueError(f"max_docs_per_row must be None or an int >= 1, got {max_docs_per_row!r}.")
+  if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+    raise ValueError(f"pad_id must be an int, got {pad_id!r}.")
+
+
+def _as_document(doc, index: int) -> np.ndarray:
+  arr = np.asarray(doc)
+  if arr.ndim != 1:
+    raise ValueError(f"documents[{index}] must be a 1-D array of token ids, got shape {arr.shape}.")
+  if arr.size == 0:
+    return arr.astype(np.int32)
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"documents[{index}] must hold integer token ids, got dtype {arr.dtype}.")
+  return arr
+
+
+def _split(index: int, doc: np.ndarray, seq_len: int) -> list[_Piece]:
+  """Pieces of at most seq_len tokens (none for an empty document)."""
+  return [(index, off, doc[off:off + seq_len]) for off in range(0, len(doc), seq_len)]
+
+
+def _next_fit(pieces: Iterable[_Piece], seq_len: int, max_docs: int | None):
+  """Greedy in order: yields each completed row (a list of pieces) as soon as it is closed."""
+  row, used = [], 0
+  for piece in pieces:
+    n = len(piece[2])
+    if row and (used + n > seq_len or (max_docs is not None and len(row) >= max_docs)):
+      yield row
+      row, used = [], 0
+    row.append(piece)
+    used += n
+  if row:
+    yield row
+
+
+def _best_fit_decreasing(pieces: Sequence[_Piece], seq_len: int, max_docs: int | None):
+  """Best-fit decreasing bin packing; rows in creation order, pieces in input order in a row."""
+  order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i][2]))  # stable: ties in order
+  rows: list[list[int]] = []
+  room: list[int] = []
+  open_bins: list[tuple[int, int]] = []  # sorted (remaining room, row index) of rows that can grow
+  for i in order:
+    n = len(pieces[i][2])
+    k = bisect.bisect_left(open_bins, (n, -1))
+    if k < len(open_bins):
+      _, r = open_bins.pop(k)
+    else:
+      r = len(rows)
+      rows.append([])
+      room.append(seq_len)
+    rows[r].append(i)
+    room[r] -= n
+    if room[r] > 0 and (max_docs is None or len(rows[r]) < max_docs):
+      bisect.insort(open_bins, (room[r], r))
+  return [[pieces[i] for i in sorted(row)] for row in rows]
+
+
+def _build(rows: Sequence[Sequence[_Piece]], seq_len: int, pad_id: int,
+           max_docs: int | None, num_rows: int | None = None) -> PackedBatch:
+  """Arrays for the given rows; num_rows > len(rows) appends empty (all padding) rows."""
+  n_rows = len(rows) if num_rows is None else num_rows
+  width = max_docs if max_docs is not None else max([len(r) for r in rows], default=1)
+  width = max(width, 1)
+  tokens = np.full((n_rows, seq_len), pad_id, np.int32)
+  segment_ids = np.zeros((n_rows, seq_len), np.int32)
+  positions = np.zeros((n_rows, seq_len), np.int32)
+  cu = np.zeros((n_rows, width + 1), np.int32)
+  doc_ids = np.full((n_rows, width), -1, np.int32)
+  doc_offsets = np.zeros((n_rows, width), np.int32)
+  for b, row in enumerate(rows):
+    if len(row) > width:
+      raise AssertionError("row holds more documents than max_docs_per_row")
+    lengths = np.array([len(p[2]) for p in row], np.int64)
+    ends = np.cumsum(lengths)
+    if len(row):
+      assert ends[-1] <= seq_len
+      used = int(ends[-1])
+      tokens[b, :used] = np.concatenate([p[2] for p in row])
+      segment_ids[b, :used] = np.repeat(np.arange(1, len(row) + 1, dtype=np.int32), lengths)
+      positions[b, :used] = np.arange(used) - np.repeat(ends - lengths, lengths)
+      cu[b, 1:len(row) + 1] = ends
+      cu[b, len(row) + 1:] = used
+      doc_ids[b, :len(row)] = [p[0] for p in row]
+      doc_offsets[b, :len(row)] = [p[1] for p in row]
+  same_doc = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+  loss_mask = np.zeros((n_rows, seq_len), np.float32)
+  loss_mask[:, :-1] = same_doc
+  labels = np.full((n_rows, seq_len), pad_id, np.int32)
+  labels[:, :-1] = np.where(same_doc, tokens[:, 1:], pad_id)
+  return PackedBatch(tokens=tokens, segment_ids=segment_ids, positions=positions, cu_seqlens=cu,
+                     labels=labels, loss_mask=loss_mask, document_ids=doc_ids,
+                     document_offsets=doc_offsets)
+
+
+def pack_documents(documents: Sequence, seq_len: int, *, strategy: str = "best_fit",
+                   pad_id: int = 0, max_docs_per_row: int | None = None) -> PackedBatch:
+  """Packs documents into rows of ``seq_len`` tokens.
+
+  Every token of every document lands in exactly one row, in document order within its piece;
+  documents longer than ``seq_len`` are split into pieces of ``seq_len`` tokens (the last piece
+  shorter), each piece packed as a document of its own. Empty documents are skipped.
+
+  Args:
+    documents: sequence of 1-D integer token arrays (numpy arrays or lists).
+    seq_len: tokens per row (S).
+    strategy: ``"best_fit"`` (best-fit decreasing, the fewest rows / least padding) or
+      ``"greedy"`` (next fit in input order: keeps the document order, more padding).
+    pad_id: token id of padding (and of masked labels).
+    max_docs_per_row: at most this many documents (pieces) per row, and the width of
+      ``cu_seqlens`` (``max_docs_per_row + 1``); None: no limit, width from the fullest row.
+      Set it to keep shapes static across batches (no recompilation).
+
+  Returns:
+    A :class:`PackedBatch` of numpy arrays (rows in creation order; within a row, documents
+    in input order).
+  """
+  _check_args(seq_len, strategy, max_docs_per_row, pad_id)
+  seq_len = int(seq_len)
+  pieces = [p for i, d in enumerate(documents) for p in _split(i, _as_document(d, i), seq_len)]
+  if strategy == "greedy":
+    rows = list(_next_fit(pieces, seq_len, max_docs_per_row))
+  else:
+    rows = _best_fit_decreasing(pieces, seq_len, max_docs_per_row)
+  return _build(rows, seq_len, int(pad_id), max_docs_per_row)
+
+
+def iter_packed_batches(documents: Iterable, seq_len: int, batch_size: int, *,
+                        strategy: str = "greedy", pad_id: int = 0,
+                        max_docs_per_row: int | None = None, buffer_rows: int | None = None,
+                        drop_remainder: bool = False) -> Iterator[PackedBatch]:
+  """Packs a stream of documents and yields :class:`PackedBatch` es of ``batch_size`` rows.
+
+  Same conventions as :func:`pack_documents`; ``document_ids`` count documents in the stream
+  (from 0, empty documents included).
+
+  Args:
+    documents: iterable (possibly unbounded) of 1-D integer token arrays.
+    seq_len: tokens per row.
+    batch_size: rows per batch.
+    strategy: ``"greedy"`` (default; next fit in stream order, constant memory) or
+      ``"best_fit"`` (buffers about ``buffer_rows * seq_len`` tokens, packs them best-fit
+      decreasing, yields the fullest rows and puts the documents of the rest back in the buffer).
+    pad_id: token id of padding.
+    max_docs_per_row: cap on documents per row and width of ``cu_seqlens``; set it for static
+      shapes across batches (otherwise the width follows the fullest row of each batch).
+    buffer_rows: best_fit only: rows of tokens to buffer before packing (default
+      ``4 * batch_size``; at least ``batch_size``).
+    drop_remainder: drop the last, incomplete batch instead of filling it with empty rows
+      (all padding: segment 0, ``cu_seqlens`` all 0).
+
+  Yields:
+    PackedBatch with ``batch_size`` rows.
+  """
+  _check_args(seq_len, strategy, max_docs_per_row, pad_id)
+  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
+  seq_len, pad_id, batch_size = int(seq_len), int(pad_id), int(batch_size)
+  if buffer_rows is None:
+    buffer_rows = 4 * batch_size
+  if isinstance(buffer_rows, bool) or not isinstance(buffer_rows, (int, np.integer)) or buffer_rows < 1:
+    raise ValueError(f"buffer_rows must be None or an int >= 1, got {buffer_rows!r}.")
+  buffer_rows = max(int(buffer_rows), batch_size)
+
+  def pieces_of(stream):
+    for i, d in enumerate(stream):
+      yield from _split(i, _as_document(d, i), seq_len)
+
+  def emit(rows):
+    return _build(rows, seq_len, pad_id, max_docs_per_row, num_rows=batch_size)
+
+  if strategy == "greedy":
+    rows = []
+    for row in _next_fit(pieces_of(documents), seq_len, max_docs_per_row):
+      rows.append(row)
+      if len(rows) == batch_size:
+        yield emit(rows)
+        rows = []
+    if rows and not drop_remainder:
+      yield emit(rows)
+    return
+
+  buffer: list[_Piece] = []
+  tokens = 0
+  stream = pieces_of(documents)
+  exhausted = False
+  while True:
+    while tokens < buffer_rows * seq_len:
+      piece = next(stream, None)
+      if piece is None:
+        exhausted = True
+        break
+      buffer.append(piece)
+      tokens += len(piece[2])
+    rows = _best_fit_decreasing(buffer, seq_len, max_docs_per_row)
+    if not exhausted:
+      # Keep the emptiest rows' documents for the next round: they pack better with new ones.
+      rows.sort(key=lambda r: -sum(len(p[2]) for p in r))
+      n_out = (len(rows) // batch_size) * batch_size
+      rows, kept = rows[:n_out], rows[n_out:]
+      buffer = sorted((p for r in kept for p in r), key=lambda p: (p[0], p[1]))
+      tokens = sum(len(p[2]) for p in buffer)
+    for k in range(0, len(rows), batch_size):
+      chunk = rows[k:k + batch_size]
+      if len(chunk) == batch_size or not drop_remainder:
+        yield emit(chunk)
+    if exhausted:
+      return

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One command on a GPU host: build jaxcp with the CUDA extension, run the GPU tests, a
+# compute-sanitizer memcheck of a small case, and the benchmarks. Outputs go to $OUT (the
+# device tool's folder) or ./gpu_results.
+#   bash tools/gpu_check.sh [tests|bench|all]   (default all)
+# Offline hosts: put nvidia-cutlass (and any other missing wheel) in .whl/ first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"
+OUT="${OUT:-$PWD/gpu_results}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${JAXCP_CUDA_ARCHS:-90a-real}" \
+  CMAKE_BUILD_PARALLEL_LEVEL=16 \
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+  || { tail -50 "$OUT/build.log"; exit 1; }
+echo "build ok"
+rc=0
+if [[ "$what" == "tests" || "$what" == "all" ]]; then
+  python3 -m pytest -q -m gpu tests/ -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  rc=${PIPESTATUS[0]}
+  # memcheck of a small case through the whole JAX/FFI stack
+  compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitizer_case.py > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $? ($(grep -c 'Invalid' "$OUT/memcheck.log") invalid accesses)"; tail -3 "$OUT/memcheck.log"
+fi
+if [[ "$what" == "bench" || "$what" == "all" ]]; then
+  python3 benchmarks/bench_attention.py --out "$OUT" 2>&1 | tail -25
+  [[ -f benchmarks/bench_small_seq.py ]] && python3 benchmarks/bench_small_seq.py --out "$OUT" 2>&1 | tail -15
+fi
+exit $rc
