@@ -3,9 +3,11 @@ from jaxcp._src.attention import attention
 from jaxcp._src.load_balance import (apply_permutation, invert_permutation, load_balance,
                                      load_balance_permutation, restore_order)
 from jaxcp._src.masks import segments_from_cu_seqlens
+from jaxcp._src.small_seq import small_seq_attention
 
 __all__ = [
     "attention",
+    "small_seq_attention",
     "segments_from_cu_seqlens",
     "load_balance",
     "restore_order",

@@ -14,3 +14,5 @@ ffi::Error from_float32(const std::vector<float>& in, ffi::AnyBuffer b);
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcp_cpu_attention_fwd);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcp_cpu_attention_bwd);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcp_cpu_small_seq_fwd);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jaxcp_cpu_small_seq_bwd);

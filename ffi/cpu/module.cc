@@ -17,6 +17,8 @@ NB_MODULE(_jaxcp_cpu, m) {
     nb::dict d;
     d["jaxcp_attention_fwd"] = encapsulate(jaxcp_cpu_attention_fwd);
     d["jaxcp_attention_bwd"] = encapsulate(jaxcp_cpu_attention_bwd);
+    d["jaxcp_small_seq_fwd"] = encapsulate(jaxcp_cpu_small_seq_fwd);
+    d["jaxcp_small_seq_bwd"] = encapsulate(jaxcp_cpu_small_seq_bwd);
     return d;
   });
 }

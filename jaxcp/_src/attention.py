@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from . import context_parallel, masks, registry
 from .attention_primitive import AttentionConfig, attention_bwd_p, attention_fwd_p
 from .reference import attention_reference
+from .small_seq import small_seq_eligible, small_seq_from_attention
 
 _IMPLEMENTATIONS = (None, "cuda", "cpu", "xla")
 _CP_STRATEGIES = ("auto", "all_gather", "ring")
@@ -159,6 +160,10 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
       b, sq, skv, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
       kv_positions=kv_positions, cu_seqlens=cu_seqlens)
   impl = _choose_implementation(implementation, query.dtype, d)
+  # One query against at most 16 keys: the memory-bound small-sequence kernel (same results).
+  if impl != "xla" and small_seq_eligible(query, key, implementation=impl, return_residual=return_residual,
+                                          context_parallel_axis=context_parallel_axis):
+    return small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, float(scale), impl)
 
   if impl == "xla":
     if context_parallel_axis is not None:  # inside shard_map: the reference sees all of K/V

@@ -1,0 +1,275 @@
+"""Small-sequence attention (one query token over <= 16 keys, recommendation models): jaxcp vs
+jax.nn.dot_product_attention (implementation="xla" with a padding mask; cuDNN rejects these
+shapes) and a device copy measured in the same run.
+
+Everything is memory bound, so the figure of merit is bandwidth over the bytes that must move:
+  forward : Q, K, V read; O and the saved probabilities (float32 [B, Hq, Skv]) written;
+  backward: Q, dO, K, V, probabilities read; dQ, dK, dV written.
+K/V bytes count the tokens that exist (for the ragged case: the sum of the lengths). The XLA
+baseline runs on the padded layout [B, 16, Hkv, D] with key_value_seq_lengths; its bandwidth is
+reported over the same bytes, so bandwidth ratios are speed ratios. The device copy is an
+best of three copies of K's bytes (negate in K's dtype, uint32 jnp.copy, float32 x + 1),
+bytes read + written.
+
+Targets (H100, bf16): forward >= 90% and backward >= 85% of the copy bandwidth; forward+backward
+>= 1.15x XLA.
+
+  python benchmarks/bench_small_seq.py            # the full GPU case list
+  python benchmarks/bench_small_seq.py --quick    # small batches, runs on the CPU too
+
+Writes small_seq.json and small_seq.md to $OUT or benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+
+from jaxcp._src import small_seq as ss  # noqa: E402
+
+
+@dataclasses.dataclass
+class Case:
+  name: str
+  batch: int
+  seq_len: int = 16
+  q_heads: int = 8
+  kv_heads: int = 8
+  head_dim: int = 128
+  ragged_mean: int = 0  # > 0: ragged layout, lengths uniform in [1, 2*mean - 1] (capped at 16)
+
+
+def gpu_cases():
+  cases = []
+  for b in (30720, 262144):
+    cases += [
+        Case(f"B={b} S=16 8/8 D128", b),
+        Case(f"B={b} S=8 8/8 D256", b, seq_len=8, head_dim=256),
+        Case(f"B={b} S=16 GQA 16/4 D128", b, q_heads=16, kv_heads=4),
+        Case(f"B={b} ragged mean 8, 8/8 D128", b, ragged_mean=8),
+    ]
+  return cases
+
+
+QUICK_CASES = [
+    Case("quick B=512 S=16 8/8 D64", 512, head_dim=64),
+    Case("quick B=512 S=8 4/4 D128", 512, seq_len=8, q_heads=4, kv_heads=4),
+    Case("quick B=512 GQA 8/2 D64", 512, q_heads=8, kv_heads=2, head_dim=64),
+    Case("quick B=512 ragged mean 8 D64", 512, head_dim=64, ragged_mean=8),
+]
+
+
+def bench(fn, *args, reps: int, min_batch_s: float = 2e-3) -> float:
+  """Median seconds per call of a jitted fn: warm-up, then `reps` timed batches of back-to-back
+  calls (enough calls per batch to amortise dispatch), each synchronised with block_until_ready."""
+  for _ in range(3):
+    jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  one = time.perf_counter() - t0
+  inner = max(1, min(50, math.ceil(min_batch_s / max(one, 1e-7))))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(inner - 1):
+      fn(*args)  # dropped at once: at most two results are alive
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) / inner)
+  return statistics.median(times)
+
+
+def make_inputs(case: Case, dtype, rng):
+  b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
+  key = jax.random.PRNGKey(0)
+  q = jax.random.normal(key, (b, hq, d), dtype)
+  dout = jax.random.normal(jax.random.fold_in(key, 3), (b, hq, d), dtype)
+  if case.ragged_mean:
+    lengths = rng.integers(1, 2 * case.ragged_mean, b).clip(max=s).astype(np.int32)
+  else:
+    lengths = np.full((b,), s, np.int32)
+  tokens = int(lengths.sum())
+  kv_shape = (tokens, hkv, d) if case.ragged_mean else (b, s, hkv, d)
+  k = jax.random.normal(jax.random.fold_in(key, 1), kv_shape, dtype)
+  v = jax.random.normal(jax.random.fold_in(key, 2), kv_shape, dtype)
+  return q, k, v, dout, jnp.asarray(lengths), tokens
+
+
+def to_padded(k, lengths, s):
+  """Ragged [T, Hkv, D] -> padded [B, s, Hkv, D] (zeros past each length), for the XLA baseline."""
+  cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)])
+  idx = cu[:-1, None] + jnp.arange(s, dtype=jnp.int32)
+  valid = jnp.arange(s)[None, :] < lengths[:, None]
+  g = k[jnp.clip(idx, 0, k.shape[0] - 1)]
+  return jnp.where(valid[:, :, None, None], g, 0).astype(k.dtype)
+
+
+def device_copy(x, reps):
+  """Bandwidth (GB/s, bytes read + written) of copying x's bytes: an elementwise negate in x's
+  dtype, a uint32 copy (jnp.copy) and a float32 x + 1 over the same bytes. Returns
+  ({form: GB/s}, {form: ms})."""
+  nbytes = x.size * x.dtype.itemsize
+  words = jnp.zeros((nbytes // 4,), jnp.uint32)
+  forms = {"negate": (jax.jit(lambda a: -a), x),
+           "copy_u32": (jax.jit(lambda a: jnp.copy(a)), words),
+           "add_f32": (jax.jit(lambda a: a.view(jnp.float32) + 1.0), words)}
+  gbps, ms = {}, {}
+  for name, (fn, arg) in forms.items():
+    t = bench(fn, arg, reps=reps)
+    gbps[name], ms[name] = 2 * nbytes / t / 1e9, t * 1e3
+  del words
+  return gbps, ms
+
+
+def _fwd_and_grads(fn, q, k, v, dout):
+  out, pull = jax.vjp(fn, q, k, v)
+  return (out,) + pull(dout)
+
+
+def run_case(case: Case, dtype, reps: int, rng) -> dict:
+  q, k, v, dout, lengths, tokens = make_inputs(case, dtype, rng)
+  b, s, hq, hkv, d = case.batch, case.seq_len, case.q_heads, case.kv_heads, case.head_dim
+  es = jnp.dtype(dtype).itemsize
+  ragged = bool(case.ragged_mean)
+  cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)]) if ragged else None
+
+  q_bytes = b * hq * d * es
+  kv_bytes = 2 * tokens * hkv * d * es
+  p_bytes = b * hq * s * 4
+  fwd_bytes = q_bytes + kv_bytes + q_bytes + p_bytes               # Q, K, V in; O, P out
+  bwd_bytes = 2 * q_bytes + kv_bytes + p_bytes + q_bytes + kv_bytes  # Q, dO, K, V, P in; dQ, dK, dV
+  res = dict(case=case.name, batch=b, seq_len=s, q_heads=hq, kv_heads=hkv, head_dim=d,
+             dtype=jnp.dtype(dtype).name, layout="ragged" if ragged else "padded",
+             kv_tokens=tokens, fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes)
+
+  # ---- jaxcp
+  def jx(q, k, v):
+    if ragged:
+      return ss.small_seq_attention(q, k, v, kv_cu_seqlens=cu)
+    return ss.small_seq_attention(q, k, v)
+
+  impl = ss._choose_implementation(None, jnp.dtype(dtype), d)  # what implementation=None picks
+  res["jaxcp_implementation"] = impl
+  fwd = jax.jit(jx)
+  fwdbwd = jax.jit(functools.partial(_fwd_and_grads, jx))
+  t_fwd = bench(fwd, q, k, v, reps=reps)
+  t_fb = bench(fwdbwd, q, k, v, dout, reps=reps)
+  t_bwd = None
+  if impl != "xla":  # the backward kernel alone, on the residuals the forward saved
+    mask = jnp.full((b,), -1, jnp.int32)
+    if ragged:
+      config = ss.SmallSeqConfig(d ** -0.5, min(16, tokens), True)
+      index = (cu[:-1], lengths, mask)
+    else:
+      config = ss.SmallSeqConfig(d ** -0.5, s, False)
+      index = (lengths, mask)
+    probs = jax.jit(lambda q, k, v: ss.small_seq_fwd_p.bind(q, k, v, *index, config=config)[1])(q, k, v)
+    bwd = jax.jit(lambda q, k, v, p, do: ss.small_seq_bwd_p.bind(q, k, v, p, do, *index,
+                                                                 config=config))
+    t_bwd = bench(bwd, q, k, v, probs, dout, reps=reps)
+    del probs
+  res.update(jaxcp_fwd_ms=t_fwd * 1e3, jaxcp_fwdbwd_ms=t_fb * 1e3,
+             jaxcp_bwd_ms=None if t_bwd is None else t_bwd * 1e3)
+
+  # ---- XLA: jax.nn.dot_product_attention on the padded layout with a padding mask
+  kp, vp = (to_padded(k, lengths, s), to_padded(v, lengths, s)) if ragged else (k, v)
+
+  def xla(q, k, v):
+    out = jax.nn.dot_product_attention(q[:, None], k, v, key_value_seq_lengths=lengths,
+                                       implementation="xla")
+    return out[:, 0]
+
+  xf = jax.jit(xla)
+  xfb = jax.jit(functools.partial(_fwd_and_grads, xla))
+  res["xla_fwd_ms"] = bench(xf, q, kp, vp, reps=reps) * 1e3
+  res["xla_fwdbwd_ms"] = bench(xfb, q, kp, vp, dout, reps=reps) * 1e3
+  err = float(jnp.max(jnp.abs(fwd(q, k, v).astype(jnp.float32) - xf(q, kp, vp).astype(jnp.float32))))
+  res["max_abs_diff_vs_xla"] = err
+  del kp, vp
+
+  # ---- device copy of K's bytes (read + write), the best of three forms measured now
+  copy_gbps, copy_ms = device_copy(k, reps)
+  res.update(copy_ms=min(copy_ms.values()), copy_gbps=max(copy_gbps.values()),
+             copy_variants_gbps=copy_gbps)
+  copy_gbps = res["copy_gbps"]
+
+  gbps = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9
+  res["jaxcp_fwd_gbps"] = gbps(fwd_bytes, res["jaxcp_fwd_ms"])
+  res["jaxcp_bwd_gbps"] = None if t_bwd is None else gbps(bwd_bytes, res["jaxcp_bwd_ms"])
+  res["jaxcp_fwdbwd_gbps"] = gbps(fwd_bytes + bwd_bytes, res["jaxcp_fwdbwd_ms"])
+  res["xla_fwd_gbps"] = gbps(fwd_bytes, res["xla_fwd_ms"])
+  res["xla_fwdbwd_gbps"] = gbps(fwd_bytes + bwd_bytes, res["xla_fwdbwd_ms"])
+  res["fwd_pct_of_copy"] = 100 * res["jaxcp_fwd_gbps"] / copy_gbps
+  res["bwd_pct_of_copy"] = (None if t_bwd is None else 100 * res["jaxcp_bwd_gbps"] / copy_gbps)
+  res["fwdbwd_speedup_vs_xla"] = res["xla_fwdbwd_ms"] / res["jaxcp_fwdbwd_ms"]
+  res["fwd_speedup_vs_xla"] = res["xla_fwd_ms"] / res["jaxcp_fwd_ms"]
+  return res
+
+
+def markdown(results, meta) -> str:
+  f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"
+  header = ["case", "layout", "jaxcp fwd ms (GB/s, % copy)", "jaxcp bwd ms (GB/s, % copy)",
+            "jaxcp fwd+bwd ms", "XLA fwd ms", "XLA fwd+bwd ms", "fwd+bwd vs XLA", "copy GB/s"]
+  rows = []
+  for r in results:
+    if "error" in r:
+      rows.append([r["case"], "error: " + r["error"][:80]] + [""] * (len(header) - 2))
+      continue
+    rows.append([
+        r["case"], r["layout"],
+        f"{f(r['jaxcp_fwd_ms'], 3)} ({f(r['jaxcp_fwd_gbps'], 0)}, {f(r['fwd_pct_of_copy'], 0)}%)",
+        (f"{f(r['jaxcp_bwd_ms'], 3)} ({f(r['jaxcp_bwd_gbps'], 0)}, {f(r['bwd_pct_of_copy'], 0)}%)"
+         if r["jaxcp_bwd_ms"] is not None else "-"),
+        f(r["jaxcp_fwdbwd_ms"], 3), f(r["xla_fwd_ms"], 3), f(r["xla_fwdbwd_ms"], 3),
+        f"{f(r['fwdbwd_speedup_vs_xla'])}x", f(r["copy_gbps"], 0)])
+  title = (f"## Small-sequence attention ({meta['device']}, jax {meta['jax']}, {meta['dtype']})\n\n"
+           "Bandwidth over the bytes that must move (fwd: Q, K, V, O, probabilities; bwd: Q, dO, "
+           "K, V, probabilities, dQ, dK, dV); copy = best of three copies of K's bytes in the same "
+           "run (negate, uint32 jnp.copy, float32 x + 1).\n\n")
+  return title + common.markdown_table(header, rows)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="small batches (runs on the CPU)")
+  parser.add_argument("--reps", type=int, default=None)
+  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+  parser.add_argument("--only", default=None, help="substring filter on case names")
+  args = parser.parse_args(argv)
+  dtype = jnp.dtype(args.dtype)
+  cases = QUICK_CASES if args.quick else gpu_cases()
+  if args.only:
+    cases = [c for c in cases if args.only in c.name]
+  reps = args.reps or (5 if args.quick else 20)
+  rng = np.random.default_rng(0)
+  meta = dict(common.run_metadata(), dtype=dtype.name, quick=args.quick, reps=reps)
+  results = []
+  for case in cases:
+    try:
+      r = run_case(case, dtype, reps, rng)
+    except Exception as e:  # keep going: report the failure in the table
+      traceback.print_exc()
+      r = dict(case=case.name, error=f"{type(e).__name__}: {e}")
+    results.append(r)
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+    md = markdown(results, meta)  # written after every case: partial runs keep their results
+    out_dir = common.write_results("small_seq", dict(meta=meta, results=results), md)
+  print(md)
+  print(f"wrote {out_dir}/small_seq.json and small_seq.md")
+
+
+if __name__ == "__main__":
+  main()

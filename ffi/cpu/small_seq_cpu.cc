@@ -1,0 +1,130 @@
+// XLA FFI handlers (platform "cpu") for small-sequence attention: convert to float32, run the
+// reference kernels of small_seq_cpu_kernels.h, convert back.
+//
+// fwd: q [B,Hq,D], k/v [T,Hkv,D], kv_start/kv_len/kv_mask int32 [B]
+//      -> out [B,Hq,D] (q's dtype), probs float32 [B,Hq,max_len]; attrs max_len, scale.
+// bwd: q, k, v, probs, dout, kv_start, kv_len, kv_mask -> dq, dk, dv.
+#include <string>
+#include <vector>
+
+#include "../common/ffi_helpers.h"
+#include "cpu_handlers.h"
+#include "small_seq_cpu_kernels.h"
+
+namespace jaxcp::cpu {
+namespace {
+
+using ffi::AnyBuffer;
+using I32 = ffi::Buffer<ffi::S32>;
+
+constexpr int64_t kMaxLen = 16;
+
+ffi::Error small_seq_shape(const AnyBuffer& q, const AnyBuffer& k, const AnyBuffer& v,
+                           const I32& start, const I32& len, const I32& mask, int64_t max_len,
+                           float scale, SmallSeqShape* s) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  auto vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3)
+    return invalid("small_seq: q must be [B,Hq,D] and k/v [T,Hkv,D]");
+  if (kd[0] != vd[0] || kd[1] != vd[1] || kd[2] != vd[2])
+    return invalid("small_seq: k and v must have the same shape");
+  if (kd[2] != qd[2]) return invalid("small_seq: q and k disagree on head_dim");
+  if (kd[1] <= 0 || qd[1] % kd[1] != 0)
+    return invalid("small_seq: q heads must be a multiple of kv heads");
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
+    return invalid("small_seq: q, k and v must share a dtype");
+  if (max_len < 0 || max_len > kMaxLen) return invalid("small_seq: max_len must be in [0, 16]");
+  for (const I32* a : {&start, &len, &mask}) {
+    auto d = a->dimensions();
+    if (d.size() != 1 || d[0] != qd[0]) return invalid("small_seq: index arrays must be [B]");
+  }
+  s->batch = qd[0];
+  s->q_heads = qd[1];
+  s->head_dim = qd[2];
+  s->tokens = kd[0];
+  s->kv_heads = kd[1];
+  s->max_len = max_len;
+  s->scale = scale;
+  return ffi::Error::Success();
+}
+
+ffi::Error check_probs(const SmallSeqShape& s, const ffi::Buffer<ffi::F32>& p) {
+  auto d = p.dimensions();
+  if (d.size() != 3 || d[0] != s.batch || d[1] != s.q_heads || d[2] != s.max_len)
+    return invalid("small_seq: probs must be float32 [B,Hq,max_len]");
+  return ffi::Error::Success();
+}
+
+ffi::Error SmallSeqFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, I32 kv_start, I32 kv_len,
+                           I32 kv_mask, ffi::Result<AnyBuffer> out,
+                           ffi::ResultBuffer<ffi::F32> probs, int64_t max_len, float scale) {
+  SmallSeqShape s;
+  if (auto e = small_seq_shape(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, &s);
+      e.failure())
+    return e;
+  if (auto e = check_probs(s, *probs); e.failure()) return e;
+  std::vector<float> qf, kf, vf, of(out->element_count());
+  for (auto [src, dst] : {std::pair{&q, &qf}, {&k, &kf}, {&v, &vf}})
+    if (auto e = to_float32(*src, dst); e.failure()) return e;
+  small_seq_fwd(s, qf.data(), kf.data(), vf.data(), kv_start.typed_data(), kv_len.typed_data(),
+                kv_mask.typed_data(), of.data(), probs->typed_data());
+  return from_float32(of, *out);
+}
+
+ffi::Error SmallSeqBwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<ffi::F32> probs,
+                           AnyBuffer dout, I32 kv_start, I32 kv_len, I32 kv_mask,
+                           ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
+                           ffi::Result<AnyBuffer> dv, int64_t max_len, float scale) {
+  SmallSeqShape s;
+  if (auto e = small_seq_shape(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, &s);
+      e.failure())
+    return e;
+  if (auto e = check_probs(s, probs); e.failure()) return e;
+  if (dout.element_count() != q.element_count()) return invalid("small_seq: dout must match q");
+  std::vector<float> qf, kf, vf, dof;
+  for (auto [src, dst] : {std::pair{&q, &qf}, {&k, &kf}, {&v, &vf}, {&dout, &dof}})
+    if (auto e = to_float32(*src, dst); e.failure()) return e;
+  std::vector<float> dqf(dq->element_count()), dkf(dk->element_count()), dvf(dv->element_count());
+  small_seq_bwd(s, qf.data(), kf.data(), vf.data(), probs.typed_data(), dof.data(),
+                kv_start.typed_data(), kv_len.typed_data(), kv_mask.typed_data(), dqf.data(),
+                dkf.data(), dvf.data());
+  if (auto e = from_float32(dqf, *dq); e.failure()) return e;
+  if (auto e = from_float32(dkf, *dk); e.failure()) return e;
+  return from_float32(dvf, *dv);
+}
+
+}  // namespace
+}  // namespace jaxcp::cpu
+
+namespace ffi = xla::ffi;
+using xla::ffi::AnyBuffer;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_small_seq_fwd, jaxcp::cpu::SmallSeqFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<AnyBuffer>()                  // q
+                                  .Arg<AnyBuffer>()                  // k
+                                  .Arg<AnyBuffer>()                  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_mask
+                                  .Ret<AnyBuffer>()                  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // probs
+                                  .Attr<int64_t>("max_len")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_small_seq_bwd, jaxcp::cpu::SmallSeqBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<AnyBuffer>()                  // q
+                                  .Arg<AnyBuffer>()                  // k
+                                  .Arg<AnyBuffer>()                  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // probs
+                                  .Arg<AnyBuffer>()                  // dout
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_mask
+                                  .Ret<AnyBuffer>()                  // dq
+                                  .Ret<AnyBuffer>()                  // dk
+                                  .Ret<AnyBuffer>()                  // dv
+                                  .Attr<int64_t>("max_len")
+                                  .Attr<float>("scale"));

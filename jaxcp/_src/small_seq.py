@@ -1,0 +1,538 @@
+"""Small-sequence attention: one query token per row attending to at most 16 key/value tokens.
+
+`small_seq_attention` (DESIGN.md section 2) is built like `jaxcp.attention`, in two layers:
+- kernel primitives (`jaxcp_small_seq_{fwd,bwd}_kernel`) lower to the FFI targets
+  `jaxcp_small_seq_{fwd,bwd}` of the current platform. The kernels see one flat layout:
+  q [B, Hq, D], k/v [T, Hkv, D], and per row int32 kv_start, kv_len, kv_mask [B] (row b attends
+  to tokens kv_start[b] + j, j < kv_len[b], whose bit j of kv_mask[b] is set), with the static
+  attribute max_len (<= 16). They clamp len into [0, max_len] and start/len into [0, T], so
+  out-of-range runtime values never read or write out of bounds.
+- public primitives (`jaxcp_small_seq_{fwd,bwd}`) take the user's layout (padded [B, S, Hkv, D]
+  or ragged [T, Hkv, D]), carry the vmap rule, and lower through `custom_partitioning`: the batch
+  axis (padded layout only) and the head axis shard with no collective.
+
+The forward saves the softmax probabilities (float32 [B, Hq, max_len]); the backward consumes
+them and never recomputes the scores.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import compat, registry
+from .reference import allowed_pairs
+
+FWD_TARGET = "jaxcp_small_seq_fwd"
+BWD_TARGET = "jaxcp_small_seq_bwd"
+
+MAX_KV_LEN = 16
+_IMPLEMENTATIONS = (None, "cuda", "cpu", "xla")
+_CUDA_HEAD_DIMS = (64, 128, 256, 512)
+_CUDA_DTYPES = (jnp.bfloat16, jnp.float16)
+_CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_ALL_TOKENS = -1  # kv_mask value that allows every token of a row
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallSeqConfig:
+  """Static parameters of one call (hashable: it is a primitive parameter).
+
+  ragged: key/value are [T, Hkv, D] and the index arrays are (kv_start, kv_len, kv_mask);
+  otherwise they are [B, S, Hkv, D] and the index arrays are (kv_len, kv_mask).
+  """
+  scale: float
+  max_len: int
+  ragged: bool
+
+  def ffi_attrs(self) -> dict:
+    return dict(max_len=np.int64(self.max_len), scale=np.float32(self.scale))
+
+  @property
+  def num_index(self) -> int:
+    return 3 if self.ragged else 2
+
+
+# ---------------------------------------------------------------- kernel primitives
+# Flat layout: q [B,Hq,D], k/v [T,Hkv,D], kv_start/kv_len/kv_mask [B].
+
+
+def _kfwd_abstract(q, k, v, start, length, mask, *, config):
+  b, hq, _ = q.shape
+  return (compat.ShapedArray(q.shape, q.dtype),
+          compat.ShapedArray((b, hq, config.max_len), jnp.float32))
+
+
+def _kbwd_abstract(q, k, v, probs, dout, start, length, mask, *, config):
+  return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray(k.shape, k.dtype),
+          compat.ShapedArray(v.shape, v.dtype))
+
+
+def _kernel_lowering(target):
+  rule = compat.ffi_lowering(target)
+
+  def lower(ctx, *args, config):
+    return rule(ctx, *args, **config.ffi_attrs())
+
+  return lower
+
+
+def _make_primitive(name, abstract_eval):
+  p = compat.Primitive(name)
+  p.multiple_results = True
+  p.def_impl(functools.partial(compat.apply_primitive, p))
+  p.def_abstract_eval(abstract_eval)
+  return p
+
+
+small_seq_fwd_kernel_p = _make_primitive("jaxcp_small_seq_fwd_kernel", _kfwd_abstract)
+small_seq_bwd_kernel_p = _make_primitive("jaxcp_small_seq_bwd_kernel", _kbwd_abstract)
+for _platform in ("cpu", "cuda"):
+  compat.mlir.register_lowering(small_seq_fwd_kernel_p, _kernel_lowering(FWD_TARGET),
+                                platform=_platform)
+  compat.mlir.register_lowering(small_seq_bwd_kernel_p, _kernel_lowering(BWD_TARGET),
+                                platform=_platform)
+
+
+def _flat_kv(k, v, index, config):
+  """Local (per-shard) views: k/v [T, Hkv, D] and (start, len, mask) [B] int32."""
+  if config.ragged:
+    start, length, mask = index
+    return k, v, start, length, mask
+  length, mask = index
+  b, s, hkv, d = k.shape
+  start = jnp.arange(b, dtype=jnp.int32) * np.int32(s)
+  return k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), start, length, mask
+
+
+def local_fwd(q, k, v, *index_and_config):
+  """Unpartitioned forward on local arrays: (out, probs)."""
+  *index, config = index_and_config
+  k3, v3, start, length, mask = _flat_kv(k, v, index, config)
+  return tuple(small_seq_fwd_kernel_p.bind(q, k3, v3, start, length, mask, config=config))
+
+
+def local_bwd(q, k, v, probs, dout, *index_and_config):
+  """Unpartitioned backward on local arrays: (dq, dk, dv)."""
+  *index, config = index_and_config
+  k3, v3, start, length, mask = _flat_kv(k, v, index, config)
+  dq, dk, dv = small_seq_bwd_kernel_p.bind(q, k3, v3, probs, dout, start, length, mask,
+                                           config=config)
+  return dq, dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+# ---------------------------------------------------------------- sharding (DP + TP, no collective)
+
+
+def _spec(shape_struct, ndim):
+  sharding = getattr(shape_struct, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return spec[:ndim]
+  return (None,) * ndim
+
+
+def _axis_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  if isinstance(axes, str):
+    axes = (axes,)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _choose_axes(config, mesh, q, k):
+  """(batch axes, head axes) for this call, following the query's sharding.
+
+  Batch shards only in the padded layout (a ragged key/value side cannot follow the rows without
+  communication). Heads shard only when Hq and Hkv both divide by the axis size, so that every
+  shard holds whole GQA groups.
+  """
+  qspec = _spec(q, 3)
+  batch, heads = qspec[0], qspec[1]
+  if config.ragged or q.shape[0] % _axis_size(mesh, batch):
+    batch = None
+  n = _axis_size(mesh, heads)
+  hkv = k.shape[1] if config.ragged else k.shape[2]
+  if heads is not None and (q.shape[1] % n or hkv % n):
+    heads = None
+  return batch, heads
+
+
+def _specs(config, batch, heads, backward):
+  q = P(batch, heads, None)
+  kv = P(None, heads, None) if config.ragged else P(batch, None, heads, None)
+  idx = (P(batch),) * config.num_index
+  probs = P(batch, heads, None)
+  if backward:
+    return (q, kv, kv, probs, q) + idx, (q, kv, kv)
+  return (q, kv, kv) + idx, (q, probs)
+
+
+def _named(mesh, specs):
+  return tuple(NamedSharding(mesh, s) for s in specs)
+
+
+def _make_partitioned(local_fn, num_args, backward):
+  def infer(config, mesh, arg_shapes, result_shape):
+    batch, heads = _choose_axes(config, mesh, arg_shapes[0], arg_shapes[1])
+    return _named(mesh, _specs(config, batch, heads, backward)[1])
+
+  def partition(config, mesh, arg_shapes, result_shape):
+    batch, heads = _choose_axes(config, mesh, arg_shapes[0], arg_shapes[1])
+    arg_specs, out_specs = _specs(config, batch, heads, backward)
+
+    def lower(*args):
+      return local_fn(*args, config)
+
+    return mesh, lower, _named(mesh, out_specs), _named(mesh, arg_specs)
+
+  def rule(config, mesh, value_types, result_types):
+    kv = "t g d" if config.ragged else "b s g d"
+    m = "m" if config.ragged else "s"
+    idx = ", ".join(["b"] * config.num_index)
+    if backward:
+      return f"b h d, {kv}, {kv}, b h {m}, b h d, {idx} -> b h d, {kv}, {kv}"
+    return f"b h d, {kv}, {kv}, {idx} -> b h d, b h {m}"
+
+  cp = compat.custom_partitioning(local_fn, static_argnums=(num_args,))
+  cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+  return cp
+
+
+_PARTITIONED = {
+    (backward, ragged): _make_partitioned(
+        local_bwd if backward else local_fwd,
+        (5 if backward else 3) + (3 if ragged else 2), backward)
+    for backward in (False, True) for ragged in (False, True)
+}
+
+
+# ---------------------------------------------------------------- public-facing primitives
+
+
+def _fwd_abstract(q, k, v, *index, config):
+  b, hq, _ = q.shape
+  return (compat.ShapedArray(q.shape, q.dtype),
+          compat.ShapedArray((b, hq, config.max_len), jnp.float32))
+
+
+def _bwd_abstract(q, k, v, probs, dout, *index, config):
+  return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray(k.shape, k.dtype),
+          compat.ShapedArray(v.shape, v.dtype))
+
+
+small_seq_fwd_p = _make_primitive("jaxcp_small_seq_fwd", _fwd_abstract)
+small_seq_bwd_p = _make_primitive("jaxcp_small_seq_bwd", _bwd_abstract)
+
+
+def _move(x, dim, n):
+  """[n, ...] with the vmapped axis first (broadcast when not mapped)."""
+  if dim is compat.NOT_MAPPED:
+    return jnp.broadcast_to(x, (n,) + x.shape)
+  return jnp.moveaxis(x, dim, 0)
+
+
+def _merge(x):
+  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def _batching_rule(primitive, backward):
+  start_arg = 5 if backward else 3
+
+  def rule(args, dims, *, config):
+    n = next(a.shape[d] for a, d in zip(args, dims) if d is not compat.NOT_MAPPED)
+    moved = [_move(a, d, n) for a, d in zip(args, dims)]
+    if config.ragged:  # copy i of the flat K/V lives at tokens [i*T, (i+1)*T)
+      t = moved[1].shape[1]
+      offsets = (jnp.arange(n, dtype=jnp.int32) * np.int32(t))[:, None]
+      moved[start_arg] = moved[start_arg] + offsets
+    outs = primitive.bind(*[_merge(a) for a in moved], config=config)
+    outs = [o.reshape((n, o.shape[0] // n) + o.shape[1:]) for o in outs]
+    return outs, [0] * len(outs)
+
+  return rule
+
+
+compat.batching.primitive_batchers[small_seq_fwd_p] = _batching_rule(small_seq_fwd_p, False)
+compat.batching.primitive_batchers[small_seq_bwd_p] = _batching_rule(small_seq_bwd_p, True)
+for _p in (small_seq_fwd_p, small_seq_bwd_p):
+  compat.requires_devices_during_lowering(_p)  # its lowering runs custom_partitioning
+
+
+def _partitioned_fwd(*args, config):
+  return _PARTITIONED[(False, config.ragged)](*args, config)
+
+
+def _partitioned_bwd(*args, config):
+  return _PARTITIONED[(True, config.ragged)](*args, config)
+
+
+compat.mlir.register_lowering(small_seq_fwd_p,
+                              compat.mlir.lower_fun(_partitioned_fwd, multiple_results=True))
+compat.mlir.register_lowering(small_seq_bwd_p,
+                              compat.mlir.lower_fun(_partitioned_bwd, multiple_results=True))
+
+
+# ---------------------------------------------------------------- differentiable kernel call
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _kernel_call(q, k, v, index, config):
+  return small_seq_fwd_p.bind(q, k, v, *index, config=config)[0]
+
+
+def _kernel_call_fwd(q, k, v, index, config):
+  out, probs = small_seq_fwd_p.bind(q, k, v, *index, config=config)
+  return out, (q, k, v, probs, index)
+
+
+def _kernel_call_bwd(config, residuals, dout):
+  q, k, v, probs, index = residuals
+  dq, dk, dv = small_seq_bwd_p.bind(q, k, v, probs, dout.astype(q.dtype), *index, config=config)
+  return dq, dk, dv, tuple(None for _ in index)
+
+
+_kernel_call.defvjp(_kernel_call_fwd, _kernel_call_bwd)
+
+
+# ---------------------------------------------------------------- pure-JAX reference ("xla")
+
+
+def _reference_core(q, kg, vg, valid, scale):
+  """q [B,Hq,D], kg/vg [B,M,Hkv,D], valid bool [B,M] -> (out [B,Hq,D], probs f32 [B,Hq,M])."""
+  b, hq, d = q.shape
+  m_len, hkv = kg.shape[1], kg.shape[2]
+  qc = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
+  s = jnp.einsum("bhgd,bjhd->bhgj", qc, kg.astype(jnp.float32)) * jnp.float32(scale)
+  s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(l > 0, l, 1.0)
+  out = jnp.einsum("bhgj,bjhd->bhgd", p, vg.astype(jnp.float32)).reshape(b, hq, d)
+  return out.astype(q.dtype), p.reshape(b, hq, m_len)
+
+
+def _mask_bits(mask, m_len):
+  j = jnp.arange(m_len, dtype=jnp.int32)
+  return ((mask[:, None] >> j) & 1) == 1
+
+
+def small_seq_reference(q, k, v, index, config: SmallSeqConfig):
+  """Pure-JAX semantics of the kernels (same clamping), for tests and implementation="xla"."""
+  m_len = config.max_len
+  j = jnp.arange(m_len, dtype=jnp.int32)
+  if config.ragged:
+    start, length, mask = index
+    t = k.shape[0]
+    start = jnp.clip(start, 0, t)
+    length = jnp.minimum(jnp.clip(length, 0, m_len), t - start)
+    idx = jnp.clip(start[:, None] + j, 0, t - 1)
+    kg, vg = k[idx], v[idx]
+  else:
+    length, mask = index
+    length = jnp.clip(length, 0, m_len)
+    kg, vg = k, v
+  valid = (j < length[:, None]) & _mask_bits(mask, m_len)
+  return _reference_core(q, kg, vg, valid, config.scale)
+
+
+# ---------------------------------------------------------------- validation and public API
+
+
+def _check_int(name, x, shape):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array (int32), got dtype {x.dtype}.")
+  if tuple(x.shape) != tuple(shape):
+    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}.")
+  return x.astype(jnp.int32)
+
+
+def _choose_implementation(implementation, dtype, head_dim) -> str:
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}.")
+  if implementation == "xla":
+    return "xla"
+  platform = registry.kernel_platform()
+  cuda_ok = dtype in _CUDA_DTYPES and head_dim in _CUDA_HEAD_DIMS
+  if implementation is None:
+    if platform == "cuda":
+      return "cuda" if cuda_ok else "xla"
+    return platform or "xla"
+  if implementation != platform:
+    raise ValueError(
+        f"implementation={implementation!r} is not available on the {registry.default_backend()!r} "
+        f"backend (available kernel: {platform!r}); use implementation=None or 'xla'.")
+  if implementation == "cuda" and not cuda_ok:
+    raise ValueError(
+        f"implementation='cuda' supports bfloat16/float16 and head_dim in {_CUDA_HEAD_DIMS}, "
+        f"got {dtype} and head_dim={head_dim}; use implementation=None to fall back to 'xla'.")
+  return implementation
+
+
+def _check_scale(scale, head_dim) -> float:
+  if scale is None:
+    return float(head_dim) ** -0.5
+  if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+    raise ValueError(f"scale must be None or a Python float, got {scale!r}.")
+  return float(scale)
+
+
+def _run(query, key, value, index, config, impl):
+  if impl == "xla":
+    return small_seq_reference(query, key, value, index, config)[0]
+  registry.ensure_registered()
+  return _kernel_call(query, key, value, tuple(index), config)
+
+
+def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=None, scale=None,
+                        implementation=None):
+  """Attention of one query token per sequence over at most 16 key/value tokens.
+
+  Two layouts:
+  - padded: key/value [B, Skv, Hkv, D] with 1 <= Skv <= 16 and optional kv_lengths int32 [B]
+    (row b attends to its first kv_lengths[b] tokens; None means Skv). Lengths outside
+    [0, Skv] are clamped into it.
+  - ragged: key/value [Tkv, Hkv, D] with kv_cu_seqlens int32 [B+1]: row b attends to tokens
+    [cu[b], cu[b+1]). cu_seqlens is clamped into [0, Tkv] and made non-decreasing (a running
+    maximum); a row longer than 16 tokens attends to its first 16 (its other tokens get zero
+    gradients).
+
+  Rows with no token get output 0 and zero gradients. The forward saves the softmax
+  probabilities (float32 [B, Hq, Skv]) for the backward, not the LSE.
+
+  Args:
+    query: [B, Hq, D]; Hq must be a multiple of Hkv (MHA, GQA, MQA).
+    key, value: as above, same dtype as query (bfloat16, float16; float32 on the CPU).
+    kv_lengths: padded layout only.
+    kv_cu_seqlens: ragged layout only (required there).
+    scale: softmax scale, default D ** -0.5.
+    implementation: None (best available), "cuda" (head dims 64, 128, 256, 512; bf16/f16),
+      "cpu" or "xla" (pure-JAX reference).
+
+  Returns:
+    out [B, Hq, D] in query's dtype.
+
+  Sharding: under jit with NamedSharding inputs, the batch axis (padded layout) and the head axis
+  (when Hq and Hkv both divide by its size) shard with no collective; otherwise they replicate.
+  """
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+      raise ValueError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}.")
+    if x.dtype not in _CPU_DTYPES:
+      raise ValueError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}.")
+  if query.ndim != 3:
+    raise ValueError(f"query must have rank 3 [B, Hq, D] (one query token per sequence), got "
+                     f"shape {query.shape}.")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise ValueError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+                     f"{value.dtype}.")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}.")
+  b, hq, d = query.shape
+  if key.ndim == 4:
+    if kv_cu_seqlens is not None:
+      raise ValueError("kv_cu_seqlens is for the ragged layout (key/value [Tkv, Hkv, D]); with "
+                       "padded key/value [B, Skv, Hkv, D] pass kv_lengths instead.")
+    if key.shape[0] != b:
+      raise ValueError(f"key batch {key.shape[0]} != query batch {b}.")
+    skv = key.shape[1]
+    if not 1 <= skv <= MAX_KV_LEN:
+      raise ValueError(f"key/value sequence length must be in [1, {MAX_KV_LEN}], got Skv={skv}; "
+                       "use jaxcp.attention for longer sequences.")
+    if kv_lengths is None:
+      length = jnp.full((b,), skv, jnp.int32)
+    else:
+      length = _check_int("kv_lengths", kv_lengths, (b,))
+    ragged, max_len = False, skv
+  elif key.ndim == 3:
+    if kv_cu_seqlens is None:
+      raise ValueError("kv_cu_seqlens (int32 [B+1]) is required with ragged key/value "
+                       "[Tkv, Hkv, D]; for the padded layout pass key/value [B, Skv, Hkv, D].")
+    if kv_lengths is not None:
+      raise ValueError("kv_lengths is for the padded layout; with ragged key/value pass only "
+                       "kv_cu_seqlens.")
+    t = key.shape[0]
+    if t < 1:
+      raise ValueError("key/value must hold at least one token (Tkv >= 1).")
+    cu = _check_int("kv_cu_seqlens", kv_cu_seqlens, (b + 1,))
+    cu = jax.lax.cummax(jnp.clip(cu, 0, t), axis=0)
+    start, length = cu[:-1], cu[1:] - cu[:-1]
+    ragged, max_len = True, min(MAX_KV_LEN, t)
+  else:
+    raise ValueError(f"key must have rank 4 [B, Skv, Hkv, D] (padded) or rank 3 [Tkv, Hkv, D] "
+                     f"(ragged, with kv_cu_seqlens), got shape {key.shape}.")
+  hkv = key.shape[-2]
+  if key.shape[-1] != d:
+    raise ValueError(f"key head_dim {key.shape[-1]} != query head_dim {d}.")
+  if hkv == 0 or hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) "
+                     "(MHA, GQA or MQA).")
+  scale = _check_scale(scale, d)
+  impl = _choose_implementation(implementation, query.dtype, d)
+  mask = jnp.full((b,), _ALL_TOKENS, jnp.int32)
+  index = (start, length, mask) if ragged else (length, mask)
+  config = SmallSeqConfig(scale, max_len, ragged)
+  return _run(query, key, value, index, config, impl)
+
+
+# ---------------------------------------------------------------- use from jaxcp.attention
+
+
+def small_seq_eligible(query, key, *, implementation, return_residual=False,
+                       context_parallel_axis=None) -> bool:
+  """Whether `jaxcp.attention` may route a call to the small-sequence kernel.
+
+  Contract (all static, decided at trace time):
+    query [B, Sq, Hq, D], key [B, Skv, Hkv, D] (already validated by jaxcp.attention);
+    implementation: the implementation jaxcp.attention resolved ("cuda", "cpu" or "xla").
+  True iff Sq == 1, 1 <= Skv <= 16, implementation is "cuda" or "cpu" (the "xla" reference is
+  left to jaxcp.attention), the CUDA kernel supports dtype and head dim, return_residual is
+  False (this kernel saves probabilities, not the LSE) and context_parallel_axis is None (inside
+  shard_map a sharded key sequence needs the context-parallel algorithms). Any mask is fine:
+  segment ids, positions, causal, window and chunk rules become a per-row bitmask over the
+  <= 16 keys; a row with no allowed key gives 0 and zero gradients, as in jaxcp.attention.
+  Deterministic backward is always satisfied (no atomics).
+  """
+  if query.ndim != 4 or key.ndim != 4:
+    return False
+  if query.shape[1] != 1 or not 1 <= key.shape[1] <= MAX_KV_LEN:
+    return False
+  if return_residual or context_parallel_axis is not None:
+    return False
+  if implementation == "cpu":
+    return query.dtype in _CPU_DTYPES
+  if implementation == "cuda":
+    return query.dtype in _CUDA_DTYPES and query.shape[-1] in _CUDA_HEAD_DIMS
+  return False
+
+
+def small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, scale,
+                             implementation):
+  """`jaxcp.attention` for an eligible call (see `small_seq_eligible`), differentiable.
+
+  Args:
+    query [B, 1, Hq, D], key/value [B, Skv, Hkv, D]: validated by jaxcp.attention.
+    q_seg, q_pos [B, 1], kv_seg, kv_pos [B, Skv]: int32 token arrays from masks.token_arrays.
+    spec: the MaskSpec; scale: Python float; implementation: "cuda" or "cpu".
+  Returns:
+    out [B, 1, Hq, D] in query's dtype, equal to jaxcp.attention's output (rows without an
+    allowed key give 0). Gradients flow to query, key and value.
+  """
+  b, _, hq, d = query.shape
+  skv = key.shape[1]
+  allowed = allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, spec)[:, 0, :]  # [B, Skv]
+  bits = jnp.left_shift(jnp.int32(1), jnp.arange(skv, dtype=jnp.int32))
+  mask = jnp.sum(jnp.where(allowed, bits, 0), axis=1, dtype=jnp.int32)
+  length = jnp.full((b,), skv, jnp.int32)
+  config = SmallSeqConfig(float(scale), skv, False)
+  out = _run(query.reshape(b, hq, d), key, value, (length, mask), config, implementation)
+  return out.reshape(b, 1, hq, d)

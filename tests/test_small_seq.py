@@ -1,0 +1,507 @@
+"""Tests of jaxcp small-sequence attention (one query token over <= 16 key/value tokens).
+
+CPU tests always run (the CPU FFI kernels + the full primitive/sharding path); GPU tests run
+under the `gpu` marker against the pure-JAX reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxcp._src import registry
+from jaxcp._src.small_seq import (SmallSeqConfig, local_fwd, small_seq_attention,
+                                  small_seq_eligible, small_seq_from_attention,
+                                  small_seq_reference)
+from tests.helpers import rel_err
+
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+GRAD_TOL = {jnp.float32: 5e-5, jnp.bfloat16: 4e-2, jnp.float16: 8e-3}
+
+needs_cpu_kernel = pytest.mark.skipif(not registry.cpu_extension_available(),
+                                      reason="CPU extension not built")
+
+
+def _rand(rng, shape, dtype):
+  return jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def _padded(rng, b, s, hq, hkv, d, dtype):
+  return (_rand(rng, (b, hq, d), dtype), _rand(rng, (b, s, hkv, d), dtype),
+          _rand(rng, (b, s, hkv, d), dtype))
+
+
+def _numpy_reference(q, k, v, rows, scale):
+  """Independent float64 reference: rows[b] = list of token indices into k/v [T, Hkv, D]."""
+  q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+  b, hq, d = q.shape
+  g = hq // k.shape[1]
+  out = np.zeros((b, hq, d))
+  for i in range(b):
+    if not rows[i]:
+      continue
+    idx = np.asarray(rows[i])
+    for h in range(hq):
+      s = k[idx, h // g] @ q[i, h] * scale
+      p = np.exp(s - s.max())
+      p /= p.sum()
+      out[i, h] = p @ v[idx, h // g]
+  return out
+
+
+def _padded_rows(lengths, s):
+  return [list(range(i * s, i * s + int(np.clip(n, 0, s)))) for i, n in enumerate(lengths)]
+
+
+def _ragged_rows(cu, t):
+  cu = np.maximum.accumulate(np.clip(np.asarray(cu), 0, t))
+  return [list(range(cu[i], min(cu[i + 1], cu[i] + 16))) for i in range(len(cu) - 1)]
+
+
+def _assert_close(a, b, tol, what=""):
+  err = rel_err(a, b)
+  assert err < tol, f"{what}: relative error {err} >= {tol}"
+
+
+def _vjp(fn, args, dout):
+  out, pull = jax.vjp(fn, *args)
+  return out, pull(dout)
+
+
+# ---------------------------------------------------------------- forward vs numpy reference
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype,hq,hkv", [(jnp.float32, 4, 4), (jnp.bfloat16, 8, 2),
+                                           (jnp.float16, 4, 1), (jnp.bfloat16, 4, 4)])
+def test_padded_forward(dtype, hq, hkv):
+  rng = np.random.default_rng(0)
+  b, s, d = 9, 7, 32
+  q, k, v = _padded(rng, b, s, hq, hkv, d, dtype)
+  lengths = np.array([0, 1, 3, 7, 7, 99, -4, 2, 5], np.int32)  # out-of-range values are clamped
+  for impl in ("cpu", "xla"):
+    out = jax.jit(functools.partial(small_seq_attention, implementation=impl))(
+        q, k, v, kv_lengths=lengths)
+    assert out.shape == (b, hq, d) and out.dtype == dtype
+    ref = _numpy_reference(q, k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d),
+                           _padded_rows(lengths, s), d ** -0.5)
+    _assert_close(out, ref, TOL[dtype], impl)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0)  # zero-length row
+    np.testing.assert_array_equal(np.asarray(out[6], np.float32), 0)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("d", [8, 40, 64, 128, 256, 512])
+def test_head_dims_cpu(d):
+  rng = np.random.default_rng(1)
+  q, k, v = _padded(rng, 4, 16, 4, 2, d, jnp.bfloat16)
+  lengths = np.array([16, 3, 0, 9], np.int32)
+  out = jax.jit(functools.partial(small_seq_attention, implementation="cpu", scale=0.1))(
+      q, k, v, kv_lengths=lengths)
+  ref = _numpy_reference(q, k.reshape(64, 2, d), v.reshape(64, 2, d), _padded_rows(lengths, 16), 0.1)
+  _assert_close(out, ref, TOL[jnp.bfloat16])
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_forward(dtype):
+  rng = np.random.default_rng(2)
+  t, hq, hkv, d = 60, 6, 3, 16
+  q = _rand(rng, (8, hq, d), dtype)
+  k, v = _rand(rng, (t, hkv, d), dtype), _rand(rng, (t, hkv, d), dtype)
+  # empty rows, a row longer than 16 (keeps its first 16), a decreasing value and one past T.
+  cu = np.array([2, 5, 5, 30, 28, 40, 41, 41, 99], np.int32)
+  ref = _numpy_reference(q, k, v, _ragged_rows(cu, t), d ** -0.5)
+  for impl in ("cpu", "xla"):
+    out = jax.jit(functools.partial(small_seq_attention, implementation=impl))(
+        q, k, v, kv_cu_seqlens=cu)
+    _assert_close(out, ref, TOL[dtype], impl)
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0)
+
+
+@needs_cpu_kernel
+def test_saved_probabilities():
+  rng = np.random.default_rng(3)
+  q, k, v = _padded(rng, 5, 6, 4, 2, 16, jnp.float32)
+  lengths = jnp.array([6, 0, 2, 6, 1], jnp.int32)
+  mask = jnp.full((5,), -1, jnp.int32)
+  config = SmallSeqConfig(0.25, 6, False)
+  registry.ensure_registered()
+  out, probs = jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, lengths, mask)
+  ref_out, ref_probs = jax.jit(lambda *a: small_seq_reference(*a, config))(q, k, v, (lengths, mask))
+  assert probs.shape == (5, 4, 6) and probs.dtype == jnp.float32
+  np.testing.assert_allclose(probs, ref_probs, atol=1e-6)
+  np.testing.assert_allclose(out, ref_out, atol=1e-5)
+  np.testing.assert_array_equal(probs[1], 0)
+  np.testing.assert_array_equal(probs[2, :, 2:], 0)
+
+
+# ---------------------------------------------------------------- gradients
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype,hq,hkv", [(jnp.float32, 8, 2), (jnp.bfloat16, 4, 4),
+                                           (jnp.float16, 8, 2)])
+def test_padded_gradients(dtype, hq, hkv):
+  rng = np.random.default_rng(4)
+  b, s, d = 7, 5, 16
+  q, k, v = _padded(rng, b, s, hq, hkv, d, dtype)
+  dout = _rand(rng, (b, hq, d), dtype)
+  lengths = jnp.array([5, 0, 2, 9, 1, 3, -1], jnp.int32)
+  f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths,
+                                                       implementation=impl)
+  _, got = jax.jit(lambda *a: _vjp(f("cpu"), a, dout))(q, k, v)
+  _, want = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    assert g.dtype == dtype
+    _assert_close(g, w, GRAD_TOL[dtype], name)
+  dq, dk, dv = (np.asarray(x, np.float32) for x in got)
+  np.testing.assert_array_equal(dq[1], 0)     # zero-length row
+  np.testing.assert_array_equal(dq[6], 0)
+  np.testing.assert_array_equal(dk[1], 0)
+  np.testing.assert_array_equal(dv[2, 2:], 0)  # tokens past a row's length
+  np.testing.assert_array_equal(dk[4, 1:], 0)
+
+
+@needs_cpu_kernel
+def test_ragged_gradients():
+  rng = np.random.default_rng(5)
+  t, hq, hkv, d = 50, 4, 2, 16
+  q = _rand(rng, (6, hq, d), jnp.float32)
+  k, v = _rand(rng, (t, hkv, d), jnp.float32), _rand(rng, (t, hkv, d), jnp.float32)
+  dout = _rand(rng, (6, hq, d), jnp.float32)
+  cu = jnp.array([3, 8, 8, 30, 33, 34, 45], jnp.int32)  # row 2 has 22 tokens: first 16 used
+  f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu,
+                                                       implementation=impl)
+  _, got = jax.jit(lambda *a: _vjp(f("cpu"), a, dout))(q, k, v)
+  _, want = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    _assert_close(g, w, GRAD_TOL[jnp.float32], name)
+  dk = np.asarray(got[1])
+  covered = np.zeros(t, bool)
+  for row in _ragged_rows(np.asarray(cu), t):
+    covered[row] = True
+  np.testing.assert_array_equal(dk[~covered], 0)  # tokens no row covers get zero gradient
+  assert np.abs(dk[covered]).sum() > 0
+  np.testing.assert_array_equal(np.asarray(got[0])[1], 0)
+
+
+# ---------------------------------------------------------------- transformations
+
+
+@needs_cpu_kernel
+def test_vmap_padded_and_grad():
+  rng = np.random.default_rng(6)
+  n, b, s, hq, hkv, d = 3, 4, 6, 4, 2, 16
+  q = _rand(rng, (n, b, hq, d), jnp.float32)
+  k, v = _rand(rng, (n, b, s, hkv, d), jnp.float32), _rand(rng, (b, s, hkv, d), jnp.float32)
+  lengths = jnp.array([[6, 0, 3, 1], [2, 2, 2, 2], [0, 0, 6, 5]], jnp.int32)
+
+  def loss(impl, q, k):
+    fn = lambda q, k, n_: small_seq_attention(q, k, v, kv_lengths=n_, implementation=impl)
+    return jnp.sum(jnp.sin(jax.vmap(fn)(q, k, lengths)))
+
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, "cpu"), argnums=(0, 1)))(q, k)
+  want = jax.jit(jax.value_and_grad(functools.partial(loss, "xla"), argnums=(0, 1)))(q, k)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, w in zip(got[1], want[1]):
+    _assert_close(g, w, GRAD_TOL[jnp.float32])
+
+
+@needs_cpu_kernel
+def test_vmap_ragged_and_grad():
+  rng = np.random.default_rng(7)
+  n, t, hq, hkv, d = 2, 20, 4, 4, 8
+  q = _rand(rng, (n, 5, hq, d), jnp.float32)
+  k = _rand(rng, (n, t, hkv, d), jnp.float32)
+  v = _rand(rng, (t, hkv, d), jnp.float32)  # not mapped
+  cu = jnp.array([[0, 3, 3, 10, 12, 20], [1, 2, 9, 9, 15, 18]], jnp.int32)
+
+  def loss(impl, q, k, v):
+    fn = lambda q, k, c: small_seq_attention(q, k, v, kv_cu_seqlens=c, implementation=impl)
+    return jnp.sum(jnp.cos(jax.vmap(fn)(q, k, cu)))
+
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, "cpu"), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.value_and_grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(q, k, v)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, w in zip(got[1], want[1]):
+    _assert_close(g, w, GRAD_TOL[jnp.float32])
+
+
+@needs_cpu_kernel
+def test_default_implementation_and_eager():
+  rng = np.random.default_rng(8)
+  q, k, v = _padded(rng, 3, 4, 2, 2, 8, jnp.float32)
+  eager = small_seq_attention(q, k, v)  # implementation None -> the CPU kernel here (eager)
+  jitted = jax.jit(small_seq_attention)(q, k, v)
+  ref = jax.jit(functools.partial(small_seq_attention, implementation="xla"))(q, k, v)
+  np.testing.assert_allclose(eager, ref, atol=1e-5)
+  np.testing.assert_allclose(jitted, ref, atol=1e-5)
+
+
+# ---------------------------------------------------------------- sharding
+
+
+def _mesh(devices, shape):
+  return Mesh(np.array(devices[:8]).reshape(shape), ("dp", "tp"))
+
+
+def _check_no_collectives(compiled_text):
+  found = [c for c in COLLECTIVES if c in compiled_text]
+  assert not found, f"unexpected collectives {found} in the compiled HLO"
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("mesh_shape,hq,hkv", [((8, 1), 4, 2), ((1, 8), 16, 8), ((2, 4), 8, 4)])
+def test_sharded_padded(cpu_devices, mesh_shape, hq, hkv):
+  rng = np.random.default_rng(9)
+  b, s, d = 16, 5, 16
+  q, k, v = _padded(rng, b, s, hq, hkv, d, jnp.bfloat16)
+  dout = _rand(rng, (b, hq, d), jnp.bfloat16)
+  lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
+
+  def f(q, k, v, lengths, dout):
+    fn = lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths, implementation="cpu")
+    return _vjp(fn, (q, k, v), dout)
+
+  want = jax.jit(f)(q, k, v, lengths, dout)
+  mesh = _mesh(cpu_devices, mesh_shape)
+  sq = NamedSharding(mesh, P("dp", "tp", None))
+  skv = NamedSharding(mesh, P("dp", None, "tp", None))
+  args = (jax.device_put(q, sq), jax.device_put(k, skv), jax.device_put(v, skv),
+          jax.device_put(lengths, NamedSharding(mesh, P("dp"))), jax.device_put(dout, sq))
+  jf = jax.jit(f)
+  _check_no_collectives(jf.lower(*args).compile().as_text())
+  got = jf(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@needs_cpu_kernel
+def test_sharded_ragged_heads(cpu_devices):
+  rng = np.random.default_rng(10)
+  t, hq, hkv, d = 40, 16, 8, 16
+  q = _rand(rng, (6, hq, d), jnp.float32)
+  k, v = _rand(rng, (t, hkv, d), jnp.float32), _rand(rng, (t, hkv, d), jnp.float32)
+  dout = _rand(rng, (6, hq, d), jnp.float32)
+  cu = jnp.array([0, 4, 4, 20, 25, 33, 40], jnp.int32)
+
+  def f(q, k, v, dout):
+    fn = lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu, implementation="cpu")
+    return _vjp(fn, (q, k, v), dout)
+
+  want = jax.jit(f)(q, k, v, dout)
+  mesh = _mesh(cpu_devices, (1, 8))
+  sq, skv = NamedSharding(mesh, P(None, "tp", None)), NamedSharding(mesh, P(None, "tp", None))
+  args = (jax.device_put(q, sq), jax.device_put(k, skv), jax.device_put(v, skv),
+          jax.device_put(dout, sq))
+  jf = jax.jit(f)
+  _check_no_collectives(jf.lower(*args).compile().as_text())
+  got = jf(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _bad_cases():
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  q = jnp.zeros((4, 4, 8), f32)
+  k = jnp.zeros((4, 6, 2, 8), f32)
+  kr = jnp.zeros((20, 2, 8), f32)
+  cu = jnp.array([0, 2, 4, 6, 8], jnp.int32)
+  return [
+      ("query", dict(query=jnp.zeros((4, 1, 4, 8), f32), key=k, value=k)),
+      ("query", dict(query=q.astype(jnp.int32), key=k, value=k)),
+      ("share a dtype", dict(query=q, key=k.astype(bf16), value=k.astype(bf16))),
+      ("same shape", dict(query=q, key=k, value=jnp.zeros((4, 5, 2, 8), f32))),
+      ("key must have rank", dict(query=q, key=jnp.zeros((4, 2, 8, 1, 1), f32),
+                                  value=jnp.zeros((4, 2, 8, 1, 1), f32))),
+      ("sequence length", dict(query=q, key=jnp.zeros((4, 17, 2, 8), f32),
+                               value=jnp.zeros((4, 17, 2, 8), f32))),
+      ("key batch", dict(query=q, key=jnp.zeros((3, 6, 2, 8), f32),
+                         value=jnp.zeros((3, 6, 2, 8), f32))),
+      ("head_dim", dict(query=q, key=jnp.zeros((4, 6, 2, 4), f32),
+                        value=jnp.zeros((4, 6, 2, 4), f32))),
+      ("multiple of key/value heads", dict(query=q, key=jnp.zeros((4, 6, 3, 8), f32),
+                                           value=jnp.zeros((4, 6, 3, 8), f32))),
+      ("kv_lengths", dict(query=q, key=k, value=k, kv_lengths=jnp.zeros((5,), jnp.int32))),
+      ("kv_lengths", dict(query=q, key=k, value=k, kv_lengths=jnp.zeros((4,), f32))),
+      ("kv_cu_seqlens", dict(query=q, key=k, value=k, kv_cu_seqlens=cu)),
+      ("kv_cu_seqlens", dict(query=q, key=kr, value=kr)),
+      ("kv_cu_seqlens", dict(query=q, key=kr, value=kr, kv_cu_seqlens=cu[:4])),
+      ("kv_lengths", dict(query=q, key=kr, value=kr, kv_cu_seqlens=cu,
+                          kv_lengths=jnp.zeros((4,), jnp.int32))),
+      ("scale", dict(query=q, key=k, value=k, scale="big")),
+      ("implementation", dict(query=q, key=k, value=k, implementation="triton")),
+  ]
+
+
+@pytest.mark.parametrize("needle,kwargs", _bad_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_input(needle, kwargs):
+  with pytest.raises(ValueError, match=needle):
+    small_seq_attention(**kwargs)
+
+
+@needs_cpu_kernel
+def test_cuda_implementation_unavailable_on_cpu():
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU backend only")
+  q, k = jnp.zeros((2, 2, 64), jnp.bfloat16), jnp.zeros((2, 3, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="implementation"):
+    small_seq_attention(q, k, k, implementation="cuda")
+
+
+# ---------------------------------------------------------------- use from jaxcp.attention
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("mask_kind", ["none", "kv_segments", "causal_window", "chunk", "empty"])
+def test_from_attention(mask_kind):
+  from jaxcp._src import masks
+  from jaxcp._src.attention import attention
+
+  rng = np.random.default_rng(11)
+  b, skv, hq, hkv, d = 5, 9, 4, 2, 16
+  q = _rand(rng, (b, 1, hq, d), jnp.float32)
+  k, v = _rand(rng, (b, skv, hkv, d), jnp.float32), _rand(rng, (b, skv, hkv, d), jnp.float32)
+  dout = _rand(rng, (b, 1, hq, d), jnp.float32)
+  kw = {}
+  if mask_kind == "kv_segments":  # padding given as kv segment 0, plus a second document
+    kv_seg = np.ones((b, skv), np.int32)
+    kv_seg[1, 4:] = 0
+    kv_seg[2, :] = 2
+    kv_seg[3, ::2] = 0
+    kw = dict(segment_ids=jnp.ones((b, 1), jnp.int32), kv_segment_ids=jnp.asarray(kv_seg))
+  elif mask_kind == "causal_window":
+    kw = dict(is_causal=True, local_window_size=(3, 0))
+  elif mask_kind == "chunk":
+    kw = dict(chunk_size=4)
+  elif mask_kind == "empty":
+    kw = dict(segment_ids=jnp.zeros((b, 1), jnp.int32), kv_segment_ids=jnp.ones((b, skv), jnp.int32))
+  assert small_seq_eligible(q, k, implementation="cpu")
+  spec = masks.make_mask_spec(kw.get("is_causal", False), kw.get("local_window_size"),
+                              kw.get("chunk_size"))
+  tokens = masks.token_arrays(b, 1, skv, segment_ids=kw.get("segment_ids"), positions=None,
+                              kv_segment_ids=kw.get("kv_segment_ids"), kv_positions=None,
+                              cu_seqlens=None)
+  fn = lambda q, k, v: small_seq_from_attention(q, k, v, *tokens, spec, d ** -0.5, "cpu")
+  ref = lambda q, k, v: attention(q, k, v, implementation="xla", **kw)
+  got, gg = jax.jit(lambda *a: _vjp(fn, a, dout))(q, k, v)
+  want, gw = jax.jit(lambda *a: _vjp(ref, a, dout))(q, k, v)
+  assert got.shape == (b, 1, hq, d)
+  _assert_close(got, want, 1e-5, "out")
+  for name, g, w in zip(("dq", "dk", "dv"), gg, gw):
+    _assert_close(g, w, 1e-4, name)
+  if mask_kind == "empty":
+    np.testing.assert_array_equal(np.asarray(got), 0)
+
+
+def test_eligibility_rules():
+  q1 = jnp.zeros((2, 1, 4, 64), jnp.bfloat16)
+  k = jnp.zeros((2, 16, 2, 64), jnp.bfloat16)
+  assert small_seq_eligible(q1, k, implementation="cuda")
+  assert small_seq_eligible(q1, k, implementation="cpu")
+  assert not small_seq_eligible(q1, k, implementation="xla")
+  assert not small_seq_eligible(q1, k, implementation="cuda", return_residual=True)
+  assert not small_seq_eligible(q1, k, implementation="cuda", context_parallel_axis="cp")
+  assert not small_seq_eligible(jnp.zeros((2, 2, 4, 64), jnp.bfloat16), k, implementation="cuda")
+  assert not small_seq_eligible(q1, jnp.zeros((2, 17, 2, 64), jnp.bfloat16), implementation="cuda")
+  assert not small_seq_eligible(q1.astype(jnp.float32), k.astype(jnp.float32), implementation="cuda")
+  assert not small_seq_eligible(jnp.zeros((2, 1, 4, 96), jnp.bfloat16),
+                                jnp.zeros((2, 16, 2, 96), jnp.bfloat16), implementation="cuda")
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _gpu_case(rng, dtype, b, s, hq, hkv, d):
+  q, k, v = _padded(rng, b, s, hq, hkv, d, dtype)
+  lengths = jnp.asarray(rng.integers(-1, s + 2, b), jnp.int32).at[0].set(0).at[1].set(s)
+  return q, k, v, lengths
+
+
+_GPU_PADDED = (
+    [(jnp.bfloat16, d, 16, 8, 8) for d in (64, 128, 256, 512)]
+    + [(jnp.bfloat16, d, 8, 16, 4) for d in (64, 128, 256, 512)]
+    + [(jnp.float16, d, 11, 8, 2) for d in (64, 128, 256, 512)]
+    + [(jnp.bfloat16, 128, 5, 4, 1), (jnp.bfloat16, 64, 1, 2, 2), (jnp.float16, 256, 12, 6, 2),
+       (jnp.bfloat16, 128, 3, 64, 2)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,s,hq,hkv", _GPU_PADDED)
+def test_gpu_padded(dtype, d, s, hq, hkv):
+  rng = np.random.default_rng(12)
+  b = 37
+  q, k, v, lengths = _gpu_case(rng, dtype, b, s, hq, hkv, d)
+  dout = _rand(rng, (b, hq, d), dtype)
+  f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths,
+                                                       implementation=impl)
+  out, grads = jax.jit(lambda *a: _vjp(f("cuda"), a, dout))(q, k, v)
+  rout, rgrads = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
+  _assert_close(out, rout, TOL[dtype], "out")
+  for name, g, w in zip(("dq", "dk", "dv"), grads, rgrads):
+    _assert_close(g, w, GRAD_TOL[dtype], name)
+  np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0)
+  dk = np.asarray(grads[1], np.float32)
+  ln = np.clip(np.asarray(lengths), 0, s)
+  for i in range(b):
+    np.testing.assert_array_equal(dk[i, ln[i]:], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 64), (jnp.bfloat16, 128), (jnp.bfloat16, 256),
+                                     (jnp.bfloat16, 512), (jnp.float16, 128)])
+def test_gpu_ragged(dtype, d):
+  rng = np.random.default_rng(13)
+  t, hq, hkv = 300, 8, 2
+  lens = rng.integers(0, 20, 24)
+  cu = np.concatenate([[3], 3 + np.cumsum(lens)]).astype(np.int32)
+  cu[-1] = t + 5  # past the end: clamped
+  q = _rand(rng, (24, hq, d), dtype)
+  k, v = _rand(rng, (t, hkv, d), dtype), _rand(rng, (t, hkv, d), dtype)
+  dout = _rand(rng, (24, hq, d), dtype)
+  f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu,
+                                                       implementation=impl)
+  out, grads = jax.jit(lambda *a: _vjp(f("cuda"), a, dout))(q, k, v)
+  rout, rgrads = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
+  _assert_close(out, rout, TOL[dtype], "out")
+  for name, g, w in zip(("dq", "dk", "dv"), grads, rgrads):
+    _assert_close(g, w, GRAD_TOL[dtype], name)
+  covered = np.zeros(t, bool)
+  for row in _ragged_rows(cu, t):
+    covered[row] = True
+  np.testing.assert_array_equal(np.asarray(grads[1], np.float32)[~covered], 0)
+  np.testing.assert_array_equal(np.asarray(grads[2], np.float32)[~covered], 0)
+
+
+@pytest.mark.gpu
+def test_gpu_probabilities_and_mask():
+  rng = np.random.default_rng(14)
+  q, k, v = _padded(rng, 9, 11, 8, 2, 128, jnp.bfloat16)
+  lengths = jnp.array([11, 0, 3, 11, 7, 1, 11, 11, 5], jnp.int32)
+  mask = jnp.asarray(rng.integers(0, 1 << 11, 9), jnp.int32)
+  config = SmallSeqConfig(0.1, 11, False)
+  registry.ensure_registered()
+  out, probs = jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, lengths, mask)
+  ref_out, ref_probs = small_seq_reference(q, k, v, (lengths, mask), config)
+  np.testing.assert_allclose(probs, ref_probs, atol=2e-3)
+  _assert_close(out, ref_out, TOL[jnp.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_and_default():
+  rng = np.random.default_rng(15)
+  q = _rand(rng, (2, 10, 8, 128), jnp.bfloat16)
+  k = _rand(rng, (2, 10, 16, 4, 128), jnp.bfloat16)
+  v = _rand(rng, (2, 10, 16, 4, 128), jnp.bfloat16)
+  got = jax.jit(jax.vmap(small_seq_attention))(q, k, v)  # implementation None -> cuda
+  want = jax.vmap(functools.partial(small_seq_attention, implementation="xla"))(q, k, v)
+  _assert_close(got, want, TOL[jnp.bfloat16])
