@@ -52,7 +52,8 @@ namespace {
 ffi::Error AttentionFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
                             ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
                             ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> out,
-                            ffi::ResultBuffer<ffi::F32> lse, bool is_causal, int64_t window_left,
+                            ffi::ResultBuffer<ffi::F32> lse, ffi::Result<AnyBuffer> /*workspace*/,
+                            bool is_causal, int64_t window_left,
                             int64_t window_right, int64_t chunk_size, float scale) {
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
@@ -72,7 +73,8 @@ ffi::Error AttentionBwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer out
                             ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
                             ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
                             ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
-                            ffi::Result<AnyBuffer> dv, bool is_causal, int64_t window_left,
+                            ffi::Result<AnyBuffer> dv, ffi::Result<AnyBuffer> /*workspace*/,
+                            bool is_causal, int64_t window_left,
                             int64_t window_right, int64_t chunk_size, float scale,
                             bool deterministic) {
   AttentionShape shape;
@@ -109,6 +111,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_attention_fwd, jaxcp::cpu::AttentionFwdI
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<AnyBuffer>()  // workspace (empty on the CPU)
                                   .Attr<bool>("is_causal")
                                   .Attr<int64_t>("window_left")
                                   .Attr<int64_t>("window_right")
@@ -131,6 +134,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_attention_bwd, jaxcp::cpu::AttentionBwdI
                                   .Ret<AnyBuffer>()
                                   .Ret<AnyBuffer>()
                                   .Ret<AnyBuffer>()
+                                  .Ret<AnyBuffer>()  // workspace (empty on the CPU)
                                   .Attr<bool>("is_causal")
                                   .Attr<int64_t>("window_left")
                                   .Attr<int64_t>("window_right")

@@ -1,15 +1,50 @@
-// The CUDA extension module: exposes its FFI handlers as capsules for jax.ffi registration.
+// The CUDA extension module: exposes its FFI handlers as capsules for jax.ffi registration,
+// and the workspace sizes the attention handlers expect as their last result buffer.
 #include <nanobind/nanobind.h>
 
+#include "../common/attention_shape.h"
+#include "attention_kernels.h"
 #include "cuda_handlers.h"
 
 namespace nb = nanobind;
+
+namespace {
+
+jaxcp::AttentionArgs args_of(int64_t b, int64_t sq, int64_t skv, int64_t hq, int64_t hkv,
+                             int64_t d, bool causal, int64_t window_left, int64_t window_right,
+                             int64_t chunk, bool deterministic) {
+  jaxcp::AttentionArgs a;
+  a.shape = {b, sq, skv, hq, hkv, d};
+  a.mask.causal = causal;
+  a.mask.window_left = window_left;
+  a.mask.window_right = window_right;
+  a.mask.chunk_size = chunk;
+  a.deterministic = deterministic;
+  return a;
+}
+
+}  // namespace
 
 NB_MODULE(_jaxcp_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxcp_attention_fwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_fwd));
     d["jaxcp_attention_bwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_bwd));
+    d["jaxcp_small_seq_fwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_small_seq_fwd));
+    d["jaxcp_small_seq_bwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_small_seq_bwd));
     return d;
   });
+  // Sizes for the current device (the backward's depends on its multiprocessor count).
+  m.def("attention_fwd_workspace_bytes",
+        [](int64_t b, int64_t sq, int64_t skv, int64_t hq, int64_t hkv, int64_t d, bool causal,
+           int64_t wl, int64_t wr, int64_t chunk) {
+          return jaxcp::cuda::attention_fwd_workspace_bytes(
+              args_of(b, sq, skv, hq, hkv, d, causal, wl, wr, chunk, true));
+        });
+  m.def("attention_bwd_workspace_bytes",
+        [](int64_t b, int64_t sq, int64_t skv, int64_t hq, int64_t hkv, int64_t d, bool causal,
+           int64_t wl, int64_t wr, int64_t chunk, bool deterministic) {
+          return jaxcp::cuda::attention_bwd_workspace_bytes(
+              args_of(b, sq, skv, hq, hkv, d, causal, wl, wr, chunk, deterministic));
+        });
 }

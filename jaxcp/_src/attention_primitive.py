@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat
+from . import compat, registry
 from .mask_spec import MaskSpec
 
 FWD_TARGET = "jaxcp_attention_fwd"
@@ -53,10 +53,18 @@ def _bwd_abstract(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, *
           compat.derived_aval(v, v.shape, v.dtype, same))
 
 
+def _with_workspace(abstract_eval):
+  """The kernel primitives also return their device workspace (uint8, last result)."""
+  def abstract(*avals, config, workspace_bytes):
+    outs = abstract_eval(*avals, config=config)
+    return outs + (compat.derived_aval(avals[0], (workspace_bytes,), jnp.uint8, (None,)),)
+  return abstract
+
+
 def _kernel_lowering(target, with_deterministic):
   rule = compat.ffi_lowering(target)
 
-  def lower(ctx, *args, config):
+  def lower(ctx, *args, config, workspace_bytes):
     return rule(ctx, *args, **config.ffi_attrs(with_deterministic))
 
   return lower
@@ -70,8 +78,8 @@ def _make_primitive(name, abstract_eval):
   return p
 
 
-attention_fwd_kernel_p = _make_primitive("jaxcp_attention_fwd_kernel", _fwd_abstract)
-attention_bwd_kernel_p = _make_primitive("jaxcp_attention_bwd_kernel", _bwd_abstract)
+attention_fwd_kernel_p = _make_primitive("jaxcp_attention_fwd_kernel", _with_workspace(_fwd_abstract))
+attention_bwd_kernel_p = _make_primitive("jaxcp_attention_bwd_kernel", _with_workspace(_bwd_abstract))
 for _platform in ("cpu", "cuda"):
   compat.mlir.register_lowering(attention_fwd_kernel_p, _kernel_lowering(FWD_TARGET, False),
                                 platform=_platform)
@@ -81,13 +89,18 @@ for _platform in ("cpu", "cuda"):
 
 def fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
   """Unpartitioned forward on local arrays: (out, lse)."""
-  return tuple(attention_fwd_kernel_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config))
+  ws = registry.attention_workspace_bytes("fwd", q.shape, k.shape, config.mask, config.deterministic)
+  out, lse, _ = attention_fwd_kernel_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config,
+                                            workspace_bytes=ws)
+  return out, lse
 
 
 def bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config):
   """Unpartitioned backward on local arrays: (dq, dk, dv)."""
-  return tuple(attention_bwd_kernel_p.bind(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg,
-                                           kv_pos, config=config))
+  ws = registry.attention_workspace_bytes("bwd", q.shape, k.shape, config.mask, config.deterministic)
+  dq, dk, dv, _ = attention_bwd_kernel_p.bind(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg,
+                                              kv_pos, config=config, workspace_bytes=ws)
+  return dq, dk, dv
 
 
 # ---------------------------------------------------------------- public-facing primitives

@@ -57,3 +57,19 @@ def kernel_platform() -> str | None:
   if backend in ("gpu", "cuda") and cuda_extension_available():
     return "cuda"
   return None
+
+
+def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, deterministic: bool) -> int:
+  """Bytes of device workspace the CUDA attention kernels need (0 where no CUDA kernel runs).
+
+  Passed to the FFI call as an extra result buffer: XLA owns it, so its address is stable under
+  CUDA-graph capture."""
+  if kernel_platform() != "cuda":
+    return 0
+  module = _load("CUDA")
+  b, sq, hq, d = q_shape
+  skv, hkv = kv_shape[1], kv_shape[2]
+  common = (b, sq, skv, hq, hkv, d, mask.is_causal, mask.window_left, mask.window_right, mask.chunk_size)
+  if direction == "fwd":
+    return int(module.attention_fwd_workspace_bytes(*common))
+  return int(module.attention_bwd_workspace_bytes(*common, deterministic))

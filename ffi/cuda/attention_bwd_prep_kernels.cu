@@ -1,0 +1,294 @@
+// Backward orchestration: workspace layout, the dot(dO, O) pre-pass, the dQ float32 -> dtype
+// conversion, the reduction of split dK/dV partial sums, and attention_bwd itself.
+#include <climits>
+
+#include "attention_bwd.cuh"
+
+namespace jaxcp::cuda {
+namespace detail {
+namespace {
+
+// delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32): the lse
+// cotangent folds into delta since d lse / d s_ij = p_ij. D/8 threads per row.
+template <class Element, int D>
+__global__ void __launch_bounds__(256) bwd_delta_kernel(const Element* __restrict__ out,
+                                                        const Element* __restrict__ dout,
+                                                        const float* __restrict__ dlse,
+                                                        float* __restrict__ delta, int64_t rows,
+                                                        int64_t Sq, int Hq) {
+  constexpr int kTpr = D / 8;  // threads per row
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / kTpr;
+  const int lane = threadIdx.x % kTpr;
+  float acc = 0.f;
+  if (row < rows) {
+    const uint4 a = reinterpret_cast<const uint4*>(out + row * D)[lane];
+    const uint4 g = reinterpret_cast<const uint4*>(dout + row * D)[lane];
+    const Element* ea = reinterpret_cast<const Element*>(&a);
+    const Element* eg = reinterpret_cast<const Element*>(&g);
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) acc += static_cast<float>(ea[e]) * static_cast<float>(eg[e]);
+  }
+  CUTE_UNROLL
+  for (int o = kTpr / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (row < rows && lane == 0) {
+    // row = (b * Sq + i) * Hq + h  ->  delta[(b * Hq + h) * Sq + i]
+    const int64_t h = row % Hq, bi = row / Hq, i = bi % Sq, b = bi / Sq;
+    const int64_t o = (b * Hq + h) * Sq + i;
+    delta[o] = dlse ? acc - dlse[o] : acc;
+  }
+}
+
+// dst[i] = Element(scale * src[i]), 8 elements per thread.
+template <class Element>
+__global__ void __launch_bounds__(256) scale_convert_kernel(const float* __restrict__ src,
+                                                            Element* __restrict__ dst, int64_t n8,
+                                                            float scale) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < n8;
+       i += static_cast<int64_t>(gridDim.x) * 256) {
+    const float4 a = reinterpret_cast<const float4*>(src)[2 * i];
+    const float4 c = reinterpret_cast<const float4*>(src)[2 * i + 1];
+    cutlass::Array<Element, 8> o;
+    o[0] = Element(a.x * scale); o[1] = Element(a.y * scale);
+    o[2] = Element(a.z * scale); o[3] = Element(a.w * scale);
+    o[4] = Element(c.x * scale); o[5] = Element(c.y * scale);
+    o[6] = Element(c.z * scale); o[7] = Element(c.w * scale);
+    reinterpret_cast<cutlass::Array<Element, 8>*>(dst)[i] = o;
+  }
+}
+
+// dst[i] = Element(sum_s part[s][i]) for dK and dV, fixed summation order (deterministic).
+template <class Element>
+__global__ void __launch_bounds__(256) split_reduce_kernel(const float* __restrict__ dk_part,
+                                                           const float* __restrict__ dv_part,
+                                                           Element* __restrict__ dk,
+                                                           Element* __restrict__ dv, int64_t n4,
+                                                           int splits) {
+  const int64_t stride = n4 * 4;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * 256) {
+    float4 k = reinterpret_cast<const float4*>(dk_part)[i];
+    float4 v = reinterpret_cast<const float4*>(dv_part)[i];
+    for (int s = 1; s < splits; ++s) {
+      const float4 k2 = reinterpret_cast<const float4*>(dk_part + s * stride)[i];
+      const float4 v2 = reinterpret_cast<const float4*>(dv_part + s * stride)[i];
+      k.x += k2.x; k.y += k2.y; k.z += k2.z; k.w += k2.w;
+      v.x += v2.x; v.y += v2.y; v.z += v2.z; v.w += v2.w;
+    }
+    cutlass::Array<Element, 4> ok, ov;
+    ok[0] = Element(k.x); ok[1] = Element(k.y); ok[2] = Element(k.z); ok[3] = Element(k.w);
+    ov[0] = Element(v.x); ov[1] = Element(v.y); ov[2] = Element(v.z); ov[3] = Element(v.w);
+    reinterpret_cast<cutlass::Array<Element, 4>*>(dk)[i] = ok;
+    reinterpret_cast<cutlass::Array<Element, 4>*>(dv)[i] = ov;
+  }
+}
+
+int grid_for(int64_t n, int64_t per_block) {
+  const int64_t blocks = ceil_div64(n, per_block);
+  return static_cast<int>(blocks < 65536 * 16 ? blocks : 65536 * 16);
+}
+
+int multiprocessor_count() {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms > 0 ? sms : 132;
+}
+
+}  // namespace
+
+struct BwdPlan {
+  int64_t nq = 0, nkv = 0, nkv_dq = 0;
+  int splits = 1, head_chunk = 1;
+  size_t q_sum = 0, kv_sum = 0, kv_range = 0, kv_order = 0, kv_sum_dq = 0, q_range_dq = 0,
+         q_order_dq = 0, delta = 0, dq_accum = 0, dk_part = 0, dv_part = 0, bytes = 0;
+};
+
+BwdPlan bwd_plan(const AttentionArgs& a) {
+  const AttentionShape& s = a.shape;
+  BwdPlan r;
+  const int bn = bwd_block_n(s.head_dim), bn_dq = dq_block_n(s.head_dim);
+  r.nq = ceil_div64(s.q_len, kBwdBlockM);
+  r.nkv = ceil_div64(s.kv_len, bn);
+  r.nkv_dq = ceil_div64(s.kv_len, bn_dq);
+  // Split the query heads of a GQA group over several blocks when there are too few key tiles
+  // to fill the GPU (partial dK/dV sums in float32, reduced in a fixed order).
+  const int64_t G = s.kv_heads > 0 ? s.q_heads / s.kv_heads : 1;
+  const int64_t base = r.nkv * s.kv_heads * s.batch;
+  if (G > 1 && base > 0) {
+    // Aim at >= 4 waves of one-block-per-SM work (causal work per key tile is very uneven);
+    // use a divisor of G so that every split gets the same number of heads.
+    const int64_t want = ceil_div64(4 * static_cast<int64_t>(multiprocessor_count()), base);
+    int64_t sp = 1;
+    while (sp < G && (sp < want || G % sp != 0)) ++sp;
+    while (sp > 1 && (s.kv_heads * sp > 65535 || G % sp != 0)) --sp;
+    r.splits = static_cast<int>(sp);
+  }
+  {
+    // Smallest divisor of Hkv*splits giving >= 4 waves of blocks per scheduling chunk.
+    const int64_t pairs = s.kv_heads * r.splits, tiles = s.batch * r.nkv;
+    const int64_t want = 4 * static_cast<int64_t>(multiprocessor_count());
+    int64_t hc = 1;
+    while (hc < pairs && (tiles * hc < want || pairs % hc != 0)) ++hc;
+    r.head_chunk = static_cast<int>(hc);
+  }
+  WorkspaceLayout w;
+  r.q_sum = w.take(sizeof(TileSummary) * s.batch * r.nq);
+  r.kv_sum = w.take(sizeof(TileSummary) * s.batch * r.nkv);
+  r.kv_range = w.take(sizeof(TileRange) * s.batch * r.nkv);
+  r.kv_order = w.take(sizeof(int) * s.batch * r.nkv);
+  r.delta = w.take(sizeof(float) * s.batch * s.q_heads * s.q_len);
+  if (a.deterministic) {
+    r.kv_sum_dq = w.take(sizeof(TileSummary) * s.batch * r.nkv_dq);
+    r.q_range_dq = w.take(sizeof(TileRange) * s.batch * r.nq);
+    r.q_order_dq = w.take(sizeof(int) * s.batch * r.nq);
+  } else {
+    r.dq_accum = w.take(sizeof(float) * s.batch * s.q_len * s.q_heads * s.head_dim);
+  }
+  if (r.splits > 1) {
+    const size_t part = sizeof(float) * r.splits * s.batch * s.kv_len * s.kv_heads * s.head_dim;
+    r.dk_part = w.take(part);
+    r.dv_part = w.take(part);
+  }
+  r.bytes = w.bytes;
+  return r;
+}
+
+template <class Element, int D>
+cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, const void* out,
+                    const float* dlse, void* dq, cudaStream_t stream) {
+  const AttentionShape& s = a.shape;
+  cudaError_t err;
+  // delta = rowsum(dO * O)
+  {
+    const int64_t rows = s.batch * s.q_len * s.q_heads;
+    constexpr int kRowsPerBlock = 256 / (D / 8);
+    bwd_delta_kernel<Element, D><<<static_cast<unsigned>(ceil_div64(rows, kRowsPerBlock)), 256, 0, stream>>>(
+        static_cast<const Element*>(out), static_cast<const Element*>(p.dout), dlse,
+        const_cast<float*>(p.delta), rows, s.q_len, p.Hq);
+    if ((err = cudaGetLastError())) return err;
+  }
+  const int64_t q_elems = s.batch * s.q_len * s.q_heads * s.head_dim;
+  if (!a.deterministic) {
+    if ((err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * q_elems, stream))) return err;
+  }
+  if (p.nkv > 0) {
+    if ((err = launch_bwd_dkdv<Element, D>(p, !a.deterministic, stream))) return err;
+  }
+  if (a.deterministic) {
+    if ((err = launch_bwd_dq<Element, D>(p, stream))) return err;
+  } else {
+    scale_convert_kernel<Element><<<grid_for(q_elems / 8, 256), 256, 0, stream>>>(
+        p.dq_accum, static_cast<Element*>(dq), q_elems / 8, p.scale);
+    if ((err = cudaGetLastError())) return err;
+  }
+  if (plan.splits > 1) {
+    const int64_t n4 = s.batch * s.kv_len * s.kv_heads * s.head_dim / 4;
+    split_reduce_kernel<Element><<<grid_for(n4, 256), 256, 0, stream>>>(
+        p.dk_part, p.dv_part, static_cast<Element*>(p.dk), static_cast<Element*>(p.dv), n4, plan.splits);
+    if ((err = cudaGetLastError())) return err;
+  }
+  return cudaSuccess;
+}
+
+template <class Element>
+cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdParams& p,
+                         const void* out, const float* dlse, void* dq, cudaStream_t stream) {
+  switch (a.shape.head_dim) {
+    case 64: return run_bwd<Element, 64>(a, plan, p, out, dlse, dq, stream);
+    case 128: return run_bwd<Element, 128>(a, plan, p, out, dlse, dq, stream);
+    case 256: return run_bwd<Element, 256>(a, plan, p, out, dlse, dq, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace detail
+
+size_t attention_bwd_workspace_bytes(const AttentionArgs& a) { return detail::bwd_plan(a).bytes; }
+
+cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, const void* k,
+                          const void* v, const void* out, const float* lse, const void* dout,
+                          const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
+                          const int32_t* kv_pos, void* dq, void* dk, void* dv, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream) {
+  const AttentionShape& s = a.shape;
+  if (!attention_head_dim_supported(s.head_dim)) return cudaErrorInvalidValue;
+  if (s.batch < 0 || s.q_len < 0 || s.kv_len < 0 || s.q_heads < 0 || s.kv_heads <= 0 ||
+      s.q_heads % s.kv_heads != 0)
+    return cudaErrorInvalidValue;
+  const size_t elem = 2;
+  const size_t q_bytes = elem * s.batch * s.q_len * s.q_heads * s.head_dim;
+  const size_t kv_bytes = elem * s.batch * s.kv_len * s.kv_heads * s.head_dim;
+  if (s.batch == 0 || s.q_heads == 0) return cudaSuccess;
+  if (s.q_len == 0 || s.kv_len == 0) {  // nothing interacts: all gradients are zero
+    cudaError_t err;
+    if (q_bytes && (err = cudaMemsetAsync(dq, 0, q_bytes, stream))) return err;
+    if (kv_bytes && (err = cudaMemsetAsync(dk, 0, kv_bytes, stream))) return err;
+    if (kv_bytes && (err = cudaMemsetAsync(dv, 0, kv_bytes, stream))) return err;
+    return cudaSuccess;
+  }
+  const detail::BwdPlan plan = detail::bwd_plan(a);
+  if (s.batch > 65535 || s.q_heads > 65535 || s.batch * plan.nq * s.q_heads > INT_MAX ||
+      s.batch * plan.nkv * s.q_heads > INT_MAX || plan.nq > INT_MAX || plan.nkv > INT_MAX ||
+      plan.nkv_dq > INT_MAX || s.q_len > INT_MAX || s.kv_len > INT_MAX)
+    return cudaErrorInvalidValue;
+  if (workspace_bytes < plan.bytes || workspace == nullptr) return cudaErrorInvalidValue;
+  char* base = static_cast<char*>(workspace);
+
+  detail::BwdParams p{};
+  p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse = lse;
+  p.delta = reinterpret_cast<float*>(base + plan.delta);
+  p.q_seg = q_seg; p.q_pos = q_pos; p.kv_seg = kv_seg; p.kv_pos = kv_pos;
+  p.dq_accum = a.deterministic ? nullptr : reinterpret_cast<float*>(base + plan.dq_accum);
+  p.dq = dq; p.dk = dk; p.dv = dv;
+  p.dk_part = plan.splits > 1 ? reinterpret_cast<float*>(base + plan.dk_part) : nullptr;
+  p.dv_part = plan.splits > 1 ? reinterpret_cast<float*>(base + plan.dv_part) : nullptr;
+  p.B = s.batch; p.Sq = s.q_len; p.Skv = s.kv_len;
+  p.Hq = static_cast<int>(s.q_heads);
+  p.Hkv = static_cast<int>(s.kv_heads);
+  p.group = static_cast<int>(s.group());
+  p.splits = plan.splits;
+  p.head_chunk = plan.head_chunk;
+  p.q_row = s.q_heads * s.head_dim;
+  p.kv_row = s.kv_heads * s.head_dim;
+  p.scale = a.scale;
+  p.scale_log2 = a.scale * kLog2e;
+  p.mask = a.mask;
+  p.q_sum = reinterpret_cast<TileSummary*>(base + plan.q_sum);
+  p.kv_sum = reinterpret_cast<TileSummary*>(base + plan.kv_sum);
+  p.kv_range = reinterpret_cast<TileRange*>(base + plan.kv_range);
+  p.kv_order = reinterpret_cast<int*>(base + plan.kv_order);
+  p.nq = static_cast<int>(plan.nq);
+  p.nkv = static_cast<int>(plan.nkv);
+  p.kv_sum_dq = a.deterministic ? reinterpret_cast<TileSummary*>(base + plan.kv_sum_dq) : nullptr;
+  p.q_range_dq = a.deterministic ? reinterpret_cast<TileRange*>(base + plan.q_range_dq) : nullptr;
+  p.q_order_dq = a.deterministic ? reinterpret_cast<int*>(base + plan.q_order_dq) : nullptr;
+  p.nkv_dq = static_cast<int>(plan.nkv_dq);
+
+  const int bn = bwd_block_n(s.head_dim), bn_dq = dq_block_n(s.head_dim);
+  cudaError_t err;
+  auto* q_sum = const_cast<TileSummary*>(p.q_sum);
+  auto* kv_sum = const_cast<TileSummary*>(p.kv_sum);
+  if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kBwdBlockM, q_sum, stream))) return err;
+  if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, bn, kv_sum, stream))) return err;
+  if ((err = launch_tile_ranges(kv_sum, plan.nkv, q_sum, plan.nq, s.batch, a.mask,
+                                /*rows_are_q=*/false, const_cast<TileRange*>(p.kv_range), stream)))
+    return err;
+  if ((err = launch_tile_schedule(p.kv_range, s.batch * plan.nkv, const_cast<int*>(p.kv_order), stream)))
+    return err;
+  if (a.deterministic) {
+    auto* kv_sum_dq = const_cast<TileSummary*>(p.kv_sum_dq);
+    if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, bn_dq, kv_sum_dq, stream)))
+      return err;
+    if ((err = launch_tile_ranges(q_sum, plan.nq, kv_sum_dq, plan.nkv_dq, s.batch, a.mask,
+                                  /*rows_are_q=*/true, const_cast<TileRange*>(p.q_range_dq), stream)))
+      return err;
+    if ((err = launch_tile_schedule(p.q_range_dq, s.batch * plan.nq, const_cast<int*>(p.q_order_dq),
+                                    stream)))
+      return err;
+  }
+  return dtype == DType::kBF16
+             ? detail::dispatch_bwd<cutlass::bfloat16_t>(a, plan, p, out, dlse, dq, stream)
+             : detail::dispatch_bwd<cutlass::half_t>(a, plan, p, out, dlse, dq, stream);
+}
+
+}  // namespace jaxcp::cuda

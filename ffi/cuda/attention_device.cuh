@@ -1,0 +1,265 @@
+// Device-side building blocks shared by the attention kernels (private to ffi/cuda/*.cu):
+// tile configuration, CuTe GEMM helpers, per-element mask evaluation, workspace layout, and the
+// declarations of the tile-plan launchers (attention_plan_kernels.cu).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "../common/attention_shape.h"
+#include "../common/mask.h"
+#include "attention_kernels.h"
+
+namespace jaxcp::cuda {
+
+// ---------------------------------------------------------------------------------------------
+// Tile sizes (host and device agree through these).
+// ---------------------------------------------------------------------------------------------
+constexpr int kFwdBlockM = 128;  // query rows per forward block
+constexpr int kFwdBlockN = 64;   // key rows per forward step
+constexpr int kBwdBlockM = 64;   // query rows per backward step (dK/dV kernel and dQ kernel)
+constexpr int bwd_block_n(int64_t d) { return d == 256 ? 64 : 128; }  // keys per dK/dV block
+constexpr int dq_block_n(int64_t d) { return d == 256 ? 32 : 64; }    // keys per dQ-kernel step
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Bump allocator over the caller's workspace; every piece 256-byte aligned.
+struct WorkspaceLayout {
+  size_t bytes = 0;
+  size_t take(size_t n) {
+    const size_t off = bytes;
+    bytes += (n + 255) / 256 * 256;
+    return off;
+  }
+};
+
+// Range [x, y) of partner tiles that are not skipped, per tile (x >= y: none).
+using TileRange = int2;
+
+// Tile plan launchers (attention_plan_kernels.cu). All enqueue on `stream` only.
+// Summaries of tiles of `tile` tokens over [B, S] segment ids / positions: out [B, ceil(S/tile)].
+cudaError_t launch_tile_summaries(const int32_t* seg, const int32_t* pos, int64_t batch,
+                                  int64_t len, int tile, TileSummary* out, cudaStream_t stream);
+// For every "row" tile (out [B, n_rows]) the range of "col" tiles that classify_tiles does not
+// skip. rows_are_q says which side of classify_tiles the row tiles are.
+cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileSummary* cols,
+                               int64_t n_cols, int64_t batch, const MaskParams& mask,
+                               bool rows_are_q, TileRange* out, cudaStream_t stream);
+
+// order[0..n) = indices of ranges[0..n) by decreasing range length (heaviest blocks first).
+cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int* order, cudaStream_t stream);
+
+// Enables > 48 KB of dynamic shared memory for `kernel` on the current device (once per device).
+cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_mask);
+
+namespace detail {
+using namespace cute;
+
+template <DType> struct ElementOf;
+template <> struct ElementOf<DType::kBF16> { using type = cutlass::bfloat16_t; };
+template <> struct ElementOf<DType::kF16> { using type = cutlass::half_t; };
+
+template <class T> struct MmaAtomOf;
+template <> struct MmaAtomOf<cutlass::bfloat16_t> {
+  using type = MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>;
+};
+template <> struct MmaAtomOf<cutlass::half_t> {
+  using type = MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>;
+};
+
+// 8 x 64 element atom, 128-byte rows, XOR swizzle of the 16-byte chunks: conflict-free for
+// cp.async writes and ldmatrix reads (both plain and transposed).
+using SmemLayoutAtom64 =
+    decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+
+template <int kRows, int kCols>
+using SmemLayoutRowMajor = decltype(tile_to_shape(SmemLayoutAtom64{}, Shape<Int<kRows>, Int<kCols>>{}));
+
+// View (cols, rows) of a (rows, cols) smem layout: the transposed operand of ldmatrix.trans.
+template <class L, int kRows, int kCols>
+using SmemLayoutTransposed =
+    decltype(composition(L{}, make_layout(Shape<Int<kCols>, Int<kRows>>{}, GenRowMajor{})));
+
+// Global -> shared: 16-byte cp.async, 8 threads per 64-element row segment.
+template <class Element, int kThreads>
+using GmemTiledCopyAsync = decltype(make_tiled_copy(
+    Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
+    Layout<Shape<Int<kThreads / 8>, _8>, Stride<_8, _1>>{}, Layout<Shape<_1, _8>>{}));
+template <class Element, int kThreads>
+using GmemTiledCopyPlain = decltype(make_tiled_copy(
+    Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
+    Layout<Shape<Int<kThreads / 8>, _8>, Stride<_8, _1>>{}, Layout<Shape<_1, _8>>{}));
+
+// Copies rows [0, valid_rows) of a (rows, cols) tile from global to shared and zero-fills the
+// others (so garbage never reaches a tensor core: 0 * NaN would poison the sums).
+template <class TiledCopy, class TS, class TD, class TC>
+__forceinline__ __device__ void copy_rows_async(TiledCopy const& tiled_copy, TS const& src, TD&& dst,
+                                                TC const& ident, int valid_rows) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    if (get<0>(ident(0, m, 0)) < valid_rows) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) cute::copy(tiled_copy, src(_, m, k), dst(_, m, k));
+    } else {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) cute::clear(dst(_, m, k));
+    }
+  }
+}
+
+template <int N>
+__forceinline__ __device__ void cp_async_wait() {
+#if defined(CUTE_ARCH_CP_ASYNC_SM80_ENABLED)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// acc (smem -> reg -> mma) over the K mode, software-pipelined by one k-slice.
+template <class Acc, class TA, class TB, class TsA, class TsB, class TiledMma, class CopyA,
+          class CopyB, class ThrCopyA, class ThrCopyB>
+__forceinline__ __device__ void gemm_ss(Acc& acc, TA& rA, TB& rB, TsA const& sA, TsB const& sB,
+                                        TiledMma const& mma, CopyA const& copy_a,
+                                        CopyB const& copy_b, ThrCopyA const& thr_a,
+                                        ThrCopyB const& thr_b) {
+  Tensor rA_view = thr_a.retile_D(rA);
+  Tensor rB_view = thr_b.retile_D(rB);
+  cute::copy(copy_a, sA(_, _, _0{}), rA_view(_, _, _0{}));
+  cute::copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(rA); ++i) {
+    if (i < size<2>(rA) - 1) {
+      cute::copy(copy_a, sA(_, _, i + 1), rA_view(_, _, i + 1));
+      cute::copy(copy_b, sB(_, _, i + 1), rB_view(_, _, i + 1));
+    }
+    cute::gemm(mma, rA(_, _, i), rB(_, _, i), acc);
+  }
+}
+
+// A from registers, B smem -> reg.
+template <class Acc, class TA, class TB, class TsB, class TiledMma, class CopyB, class ThrCopyB>
+__forceinline__ __device__ void gemm_rs(Acc& acc, TA const& rA, TB& rB, TsB const& sB,
+                                        TiledMma const& mma, CopyB const& copy_b,
+                                        ThrCopyB const& thr_b) {
+  Tensor rB_view = thr_b.retile_D(rB);
+  cute::copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(rA); ++i) {
+    if (i < size<2>(rA) - 1) cute::copy(copy_b, sB(_, _, i + 1), rB_view(_, _, i + 1));
+    cute::gemm(mma, rA(_, _, i), rB(_, _, i), acc);
+  }
+}
+
+// Accumulator layout ((2,2), MMA_M, MMA_N) -> ((2, MMA_M), (2, MMA_N)) = (rows, cols).
+template <class L>
+__forceinline__ __device__ auto acc_rowcol(L const& acc_layout) {
+  static_assert(decltype(size<0>(acc_layout))::value == 4);
+  static_assert(decltype(rank(acc_layout))::value == 3);
+  auto l = logical_divide(acc_layout, Shape<_2>{});
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+// Accumulator layout ((2,2), MMA_M, MMA_N) -> ((2,2,2), MMA_M, MMA_N/2): the A operand of the
+// next m16n8k16 MMA (two adjacent n8 accumulator blocks form one k16 slice).
+template <class L>
+__forceinline__ __device__ auto acc_as_A(L const& acc_layout) {
+  static_assert(decltype(size<0>(acc_layout))::value == 4);
+  static_assert(decltype(rank(acc_layout))::value == 3);
+  auto l = logical_divide(acc_layout, Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+template <class To, class Engine, class Layout>
+__forceinline__ __device__ auto convert_type(Tensor<Engine, Layout> const& t) {
+  using From = typename Engine::value_type;
+  constexpr int n = decltype(size(t))::value;
+  cutlass::NumericArrayConverter<To, From, n> op;
+  auto frag = op(*reinterpret_cast<const cutlass::Array<From, n>*>(t.data()));
+  return make_tensor(make_rmem_ptr<To>(&frag), t.layout());
+}
+
+// Reductions over the 4 threads of a quad (the threads that share an accumulator row).
+__forceinline__ __device__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+}
+__forceinline__ __device__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x + __shfl_xor_sync(0xffffffffu, x, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-element mask. pair_allowed(q, kv) <=> kv.seg == row.seg && row.lo <= kv.pos <= row.hi &&
+// kv.chunk == row.chunk, with the row's window folded into [lo, hi] (int32-clamped) and an
+// empty [lo, hi] for padding rows, out-of-range rows and rows whose window is empty.
+// ---------------------------------------------------------------------------------------------
+struct alignas(16) RowMask {
+  int32_t seg, lo, hi, chunk;
+};
+struct alignas(16) ColMask {
+  int32_t seg, pos, chunk;
+};
+
+__forceinline__ __device__ RowMask make_row_mask(bool valid, int32_t seg, int32_t pos,
+                                                 const MaskParams& m) {
+  int64_t lo = INT32_MIN, hi = INT32_MAX;
+  if (m.causal) hi = hi < pos ? hi : pos;
+  if (m.window_left >= 0) {
+    const int64_t l = static_cast<int64_t>(pos) - m.window_left;
+    lo = lo > l ? lo : l;
+  }
+  if (m.window_right >= 0) {
+    const int64_t h = static_cast<int64_t>(pos) + m.window_right;
+    hi = hi < h ? hi : h;
+  }
+  RowMask r;
+  r.seg = seg;
+  r.chunk = m.chunk_size > 0 ? static_cast<int32_t>(floor_div(pos, m.chunk_size)) : 0;
+  if (!valid || seg == 0 || lo > hi) {
+    r.lo = INT32_MAX;
+    r.hi = INT32_MIN;
+  } else {
+    r.lo = static_cast<int32_t>(lo < INT32_MIN ? INT32_MIN : lo);
+    r.hi = static_cast<int32_t>(hi > INT32_MAX ? INT32_MAX : hi);
+  }
+  return r;
+}
+
+__forceinline__ __device__ ColMask make_col_mask(bool valid, int32_t seg, int32_t pos,
+                                                 const MaskParams& m) {
+  ColMask c;
+  c.seg = valid ? seg : 0;  // seg 0 never matches a live row (live rows have seg != 0)
+  c.pos = pos;
+  c.chunk = m.chunk_size > 0 ? static_cast<int32_t>(floor_div(pos, m.chunk_size)) : 0;
+  return c;
+}
+
+__forceinline__ __device__ bool allowed(const RowMask& r, const ColMask& c) {
+  return (c.seg == r.seg) & (c.pos >= r.lo) & (c.pos <= r.hi) & (c.chunk == r.chunk);
+}
+
+// Tile class with the bounds folded in: a tile that runs past the end of its sequence is never
+// "full" (its out-of-range tokens must be masked).
+__forceinline__ __device__ int tile_class(const TileSummary& q, const TileSummary& kv,
+                                          const MaskParams& m, bool ragged) {
+  const int c = static_cast<int>(classify_tiles(q, kv, m));
+  return (ragged && c == static_cast<int>(TileClass::kFull)) ? static_cast<int>(TileClass::kPartial) : c;
+}
+
+constexpr int kSkip = static_cast<int>(TileClass::kSkip);
+constexpr int kPartial = static_cast<int>(TileClass::kPartial);
+constexpr int kFull = static_cast<int>(TileClass::kFull);
+
+}  // namespace detail
+}  // namespace jaxcp::cuda

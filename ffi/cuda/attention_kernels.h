@@ -1,0 +1,52 @@
+// Launchers of the CUDA packed-document attention kernels (no FFI types here).
+//
+// Layouts and mask semantics are those of ../common/attention_shape.h and ../common/mask.h:
+// q/out/dq [B,Sq,Hq,D], k/v/dk/dv [B,Skv,Hkv,D], lse float32 [B,Hq,Sq] (natural log),
+// q_seg/q_pos [B,Sq], kv_seg/kv_pos [B,Skv] int32; all contiguous.
+//
+// Every launcher only enqueues work on `stream` (kernels and cudaMemsetAsync): no allocation,
+// no synchronisation, no host-device copies, so it can be captured into a CUDA graph. The caller
+// provides a device workspace of at least *_workspace_bytes(args) bytes (256-byte aligned);
+// its content on entry does not matter. Outputs are fully written.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../common/attention_shape.h"
+
+namespace jaxcp::cuda {
+
+enum class DType { kBF16, kF16 };
+
+// Head dims with compiled kernels: 64, 128, 256.
+bool attention_head_dim_supported(int64_t head_dim);
+
+// Bytes of workspace the forward needs (tile summaries and per-tile work ranges: O(B*S)).
+size_t attention_fwd_workspace_bytes(const AttentionArgs& args);
+
+// out = softmax(scale * q k^T, masked) v; lse = log-sum-exp of the masked scaled scores.
+// Rows with no allowed key: out 0, lse -inf. Returns cudaErrorInvalidValue for an unsupported
+// head dim or inconsistent shape, otherwise the launch status.
+cudaError_t attention_fwd(const AttentionArgs& args, DType dtype, const void* q, const void* k,
+                          const void* v, const int32_t* q_seg, const int32_t* q_pos,
+                          const int32_t* kv_seg, const int32_t* kv_pos, void* out, float* lse,
+                          void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// Bytes of workspace the backward needs: tile summaries, dot(dO, O) rows, and either a float32
+// dQ accumulator [B,Sq,Hq,D] (deterministic=false) or nothing for dQ (deterministic=true), plus
+// float32 dK/dV partial sums when the query heads of a GQA group are split over several blocks.
+// Depends on the current device (multiprocessor count).
+size_t attention_bwd_workspace_bytes(const AttentionArgs& args);
+
+// Gradients of attention_fwd. `out` and `lse` are the forward's results; `dout` and `dlse`
+// (float32 [B,Hq,Sq], may be null = zeros) the cotangents of out and lse. deterministic=true
+// gives bitwise reproducible dq/dk/dv (dQ by a separate pass per query tile, no atomics).
+cudaError_t attention_bwd(const AttentionArgs& args, DType dtype, const void* q, const void* k,
+                          const void* v, const void* out, const float* lse, const void* dout,
+                          const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
+                          const int32_t* kv_pos, void* dq, void* dk, void* dv, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace jaxcp::cuda

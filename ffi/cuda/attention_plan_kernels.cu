@@ -1,0 +1,163 @@
+// Tile plan: per-tile summaries of segment ids / positions, and for every tile the range of
+// partner tiles that classify_tiles does not skip. These make the attention kernels follow the
+// allowed area (work ~ allowed pairs, not S^2) for any document mix and token order.
+#include <climits>
+
+#include "attention_device.cuh"
+
+namespace jaxcp::cuda {
+namespace {
+
+constexpr int kSummaryThreads = 128;
+
+__global__ void __launch_bounds__(kSummaryThreads) tile_summary_kernel(
+    const int32_t* __restrict__ seg, const int32_t* __restrict__ pos, int64_t len, int tile,
+    int64_t n_tiles, TileSummary* __restrict__ out) {
+  const int64_t t = blockIdx.x, b = blockIdx.y;
+  const int64_t start = t * tile;
+  const int64_t end = start + tile < len ? start + tile : len;
+  int smin = INT_MAX, smax = INT_MIN, pmin = INT_MAX, pmax = INT_MIN;
+  for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
+    const int32_t s = seg[b * len + i], p = pos[b * len + i];
+    smin = min(smin, s);
+    smax = max(smax, s);
+    pmin = min(pmin, p);
+    pmax = max(pmax, p);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    smin = min(smin, __shfl_xor_sync(0xffffffffu, smin, o));
+    smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, o));
+    pmin = min(pmin, __shfl_xor_sync(0xffffffffu, pmin, o));
+    pmax = max(pmax, __shfl_xor_sync(0xffffffffu, pmax, o));
+  }
+  __shared__ int4 red[kSummaryThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) red[warp] = make_int4(smin, smax, pmin, pmax);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kSummaryThreads / 32; ++w) {
+      smin = min(smin, red[w].x);
+      smax = max(smax, red[w].y);
+      pmin = min(pmin, red[w].z);
+      pmax = max(pmax, red[w].w);
+    }
+    out[b * n_tiles + t] = TileSummary{smin, smax, pmin, pmax};
+  }
+}
+
+constexpr int kRangeWarps = 4;
+
+// One warp per row tile scans all column tiles.
+__global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
+    const TileSummary* __restrict__ rows, int64_t n_rows, const TileSummary* __restrict__ cols,
+    int64_t n_cols, MaskParams mask, bool rows_are_q, TileRange* __restrict__ out) {
+  const int lane = threadIdx.x % 32;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRangeWarps + threadIdx.x / 32;
+  const int64_t b = blockIdx.y;
+  if (r >= n_rows) return;
+  const TileSummary a = rows[b * n_rows + r];
+  int first = INT_MAX, last = -1;
+  for (int64_t c = lane; c < n_cols; c += 32) {
+    const TileSummary s = cols[b * n_cols + c];
+    const TileClass cls = rows_are_q ? classify_tiles(a, s, mask) : classify_tiles(s, a, mask);
+    if (cls != TileClass::kSkip) {
+      first = min(first, static_cast<int>(c));
+      last = max(last, static_cast<int>(c));
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+  }
+  if (lane == 0) out[b * n_rows + r] = first <= last ? make_int2(first, last + 1) : make_int2(0, 0);
+}
+
+constexpr int kSchedThreads = 1024, kSchedBuckets = 2 * kSchedThreads;
+
+// order = tile indices sorted by decreasing work (number of partner tiles in range, bucketed),
+// so that the heaviest blocks start first (longest-processing-time-first: a shorter tail).
+// Counting sort in one block; the order inside a bucket is arbitrary (results never depend on
+// it: every output tile is owned by exactly one block).
+__global__ void __launch_bounds__(kSchedThreads) tile_schedule_kernel(
+    const TileRange* __restrict__ ranges, int64_t n, int* __restrict__ order) {
+  __shared__ int hist[kSchedBuckets];
+  __shared__ int warp_sum[kSchedThreads / 32];
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  auto bucket_of = [&](int64_t i) {
+    const TileRange r = ranges[i];
+    const int w = r.y > r.x ? r.y - r.x : 0;
+    return kSchedBuckets - 1 - (w < kSchedBuckets - 1 ? w : kSchedBuckets - 1);
+  };
+  for (int i = t; i < kSchedBuckets; i += kSchedThreads) hist[i] = 0;
+  __syncthreads();
+  for (int64_t i = t; i < n; i += kSchedThreads) atomicAdd(&hist[bucket_of(i)], 1);
+  __syncthreads();
+  // Exclusive scan of the histogram: 2 buckets per thread.
+  const int a0 = hist[2 * t], a1 = hist[2 * t + 1], sum = a0 + a1;
+  int x = sum;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sum[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sum[lane];
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sum[lane] = w;
+  }
+  __syncthreads();
+  const int excl = x - sum + (warp > 0 ? warp_sum[warp - 1] : 0);
+  hist[2 * t] = excl;
+  hist[2 * t + 1] = excl + a0;
+  __syncthreads();
+  for (int64_t i = t; i < n; i += kSchedThreads) order[atomicAdd(&hist[bucket_of(i)], 1)] = static_cast<int>(i);
+}
+
+}  // namespace
+
+cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int* order, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (n > INT_MAX) return cudaErrorInvalidValue;
+  tile_schedule_kernel<<<1, kSchedThreads, 0, stream>>>(ranges, n, order);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_tile_summaries(const int32_t* seg, const int32_t* pos, int64_t batch,
+                                  int64_t len, int tile, TileSummary* out, cudaStream_t stream) {
+  const int64_t n_tiles = ceil_div64(len, tile);
+  if (batch == 0 || n_tiles == 0) return cudaSuccess;
+  if (batch > 65535 || n_tiles > INT_MAX) return cudaErrorInvalidValue;
+  tile_summary_kernel<<<dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(batch)),
+                        kSummaryThreads, 0, stream>>>(seg, pos, len, tile, n_tiles, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileSummary* cols,
+                               int64_t n_cols, int64_t batch, const MaskParams& mask,
+                               bool rows_are_q, TileRange* out, cudaStream_t stream) {
+  if (batch == 0 || n_rows == 0) return cudaSuccess;
+  if (batch > 65535) return cudaErrorInvalidValue;
+  const int64_t blocks = ceil_div64(n_rows, kRangeWarps);
+  tile_range_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)),
+                      kRangeWarps * 32, 0, stream>>>(rows, n_rows, cols, n_cols, mask, rows_are_q,
+                                                     out);
+  return cudaGetLastError();
+}
+
+cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_mask) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const unsigned bit = dev < 32 ? (1u << dev) : 0u;
+  if (bit && (__atomic_load_n(done_mask, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && bit) __atomic_fetch_or(done_mask, bit, __ATOMIC_ACQ_REL);
+  return err;
+}
+
+}  // namespace jaxcp::cuda

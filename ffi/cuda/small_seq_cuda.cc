@@ -1,0 +1,158 @@
+// XLA FFI handlers (platform "CUDA") for small-sequence attention; see small_seq_kernels.h.
+//
+// fwd: q [B,Hq,D], k/v [T,Hkv,D], kv_start/kv_len/kv_mask int32 [B]
+//      -> out [B,Hq,D] (q's dtype), probs float32 [B,Hq,max_len]; attrs max_len, scale.
+// bwd: q, k, v, probs, dout, kv_start, kv_len, kv_mask -> dq, dk, dv.
+// The handlers only enqueue work on the FFI stream (command-buffer compatible).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../common/ffi_helpers.h"
+#include "cuda_handlers.h"
+#include "small_seq_kernels.h"
+
+namespace jaxcp::cuda {
+namespace {
+
+using ffi::AnyBuffer;
+using I32 = ffi::Buffer<ffi::S32>;
+
+ffi::Error dtype_of(const AnyBuffer& b, SmallSeqDType* out) {
+  switch (b.element_type()) {
+    case ffi::DataType::BF16: *out = SmallSeqDType::kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: *out = SmallSeqDType::kF16; return ffi::Error::Success();
+    default: return invalid("small_seq (CUDA): dtype must be bfloat16 or float16");
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+ffi::Error shape_of(const AnyBuffer& q, const AnyBuffer& k, const AnyBuffer& v, const I32& start,
+                    const I32& len, const I32& mask, int64_t max_len, float scale,
+                    SmallSeqArgs* a, SmallSeqDType* dtype) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  auto vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3)
+    return invalid("small_seq: q must be [B,Hq,D] and k/v [T,Hkv,D]");
+  if (kd[0] != vd[0] || kd[1] != vd[1] || kd[2] != vd[2])
+    return invalid("small_seq: k and v must have the same shape");
+  if (kd[2] != qd[2]) return invalid("small_seq: q and k disagree on head_dim");
+  if (kd[1] <= 0 || qd[1] % kd[1] != 0)
+    return invalid("small_seq: q heads must be a multiple of kv heads");
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
+    return invalid("small_seq: q, k and v must share a dtype");
+  if (!small_seq_head_dim_supported(qd[2]))
+    return invalid("small_seq (CUDA): head_dim must be 64, 128, 256 or 512, got " +
+                   std::to_string(qd[2]));
+  if (max_len < 0 || max_len > 16) return invalid("small_seq: max_len must be in [0, 16]");
+  for (const I32* x : {&start, &len, &mask}) {
+    auto d = x->dimensions();
+    if (d.size() != 1 || d[0] != qd[0]) return invalid("small_seq: index arrays must be [B]");
+  }
+  if (!aligned16(q.untyped_data()) || !aligned16(k.untyped_data()) ||
+      !aligned16(v.untyped_data()))
+    return invalid("small_seq (CUDA): q, k and v must be 16-byte aligned");
+  a->batch = qd[0];
+  a->q_heads = qd[1];
+  a->head_dim = qd[2];
+  a->tokens = kd[0];
+  a->kv_heads = kd[1];
+  a->max_len = max_len;
+  a->scale = scale;
+  return dtype_of(q, dtype);
+}
+
+ffi::Error check_probs(const SmallSeqArgs& a, const ffi::Buffer<ffi::F32>& p) {
+  auto d = p.dimensions();
+  if (d.size() != 3 || d[0] != a.batch || d[1] != a.q_heads || d[2] != a.max_len)
+    return invalid("small_seq: probs must be float32 [B,Hq,max_len]");
+  return ffi::Error::Success();
+}
+
+ffi::Error status(cudaError_t launch, const char* what) {
+  if (launch != cudaSuccess)
+    return internal_error(std::string(what) + ": " + cudaGetErrorString(launch));
+  const cudaError_t last = cudaGetLastError();
+  if (last != cudaSuccess) return internal_error(std::string(what) + ": " + cudaGetErrorString(last));
+  return ffi::Error::Success();
+}
+
+ffi::Error SmallSeqFwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuffer v,
+                           I32 kv_start, I32 kv_len, I32 kv_mask, ffi::Result<AnyBuffer> out,
+                           ffi::ResultBuffer<ffi::F32> probs, int64_t max_len, float scale) {
+  SmallSeqArgs a;
+  SmallSeqDType dtype;
+  if (auto e = shape_of(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, &a, &dtype);
+      e.failure())
+    return e;
+  if (auto e = check_probs(a, *probs); e.failure()) return e;
+  if (!aligned16(out->untyped_data())) return invalid("small_seq (CUDA): out must be 16-byte aligned");
+  return status(small_seq_fwd(a, dtype, q.untyped_data(), k.untyped_data(), v.untyped_data(),
+                              kv_start.typed_data(), kv_len.typed_data(), kv_mask.typed_data(),
+                              out->untyped_data(), probs->typed_data(), stream),
+                "small_seq_fwd");
+}
+
+ffi::Error SmallSeqBwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuffer v,
+                           ffi::Buffer<ffi::F32> probs, AnyBuffer dout, I32 kv_start, I32 kv_len,
+                           I32 kv_mask, ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
+                           ffi::Result<AnyBuffer> dv, int64_t max_len, float scale) {
+  SmallSeqArgs a;
+  SmallSeqDType dtype;
+  if (auto e = shape_of(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, &a, &dtype);
+      e.failure())
+    return e;
+  if (auto e = check_probs(a, probs); e.failure()) return e;
+  if (dout.element_count() != q.element_count() || dout.element_type() != q.element_type())
+    return invalid("small_seq: dout must match q");
+  for (const void* ptr : {dout.untyped_data(), dq->untyped_data(), dk->untyped_data(),
+                          dv->untyped_data()})
+    if (!aligned16(ptr)) return invalid("small_seq (CUDA): gradient buffers must be 16-byte aligned");
+  return status(small_seq_bwd(a, dtype, q.untyped_data(), k.untyped_data(), v.untyped_data(),
+                              probs.typed_data(), dout.untyped_data(), kv_start.typed_data(),
+                              kv_len.typed_data(), kv_mask.typed_data(), dq->untyped_data(),
+                              dk->untyped_data(), dv->untyped_data(), stream),
+                "small_seq_bwd");
+}
+
+}  // namespace
+}  // namespace jaxcp::cuda
+
+namespace ffi = xla::ffi;
+using xla::ffi::AnyBuffer;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_small_seq_fwd, jaxcp::cuda::SmallSeqFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<AnyBuffer>()                  // q
+                                  .Arg<AnyBuffer>()                  // k
+                                  .Arg<AnyBuffer>()                  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_mask
+                                  .Ret<AnyBuffer>()                  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // probs
+                                  .Attr<int64_t>("max_len")
+                                  .Attr<float>("scale"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_small_seq_bwd, jaxcp::cuda::SmallSeqBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<AnyBuffer>()                  // q
+                                  .Arg<AnyBuffer>()                  // k
+                                  .Arg<AnyBuffer>()                  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // probs
+                                  .Arg<AnyBuffer>()                  // dout
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_mask
+                                  .Ret<AnyBuffer>()                  // dq
+                                  .Ret<AnyBuffer>()                  // dk
+                                  .Ret<AnyBuffer>()                  // dv
+                                  .Attr<int64_t>("max_len")
+                                  .Attr<float>("scale"),
+                              {ffi::Traits::kCmdBufferCompatible});

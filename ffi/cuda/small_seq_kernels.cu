@@ -1,0 +1,559 @@
+// CUDA small-sequence attention (see small_seq_kernels.h): memory bound, one pass over Q, K, V.
+//
+// One warp per (row b, key/value head g). The warp stages the row's K and V tokens for head g,
+// the G = Hq/Hkv query rows of the group (and, in the backward, dO and the saved probabilities)
+// into its own slice of shared memory with 16-byte cp.async copies: every byte is read from
+// global memory exactly once, all of a task's loads are in flight together, and the K/V tile is
+// shared by all query heads of the GQA group. All math is float32 from shared memory:
+//   scores : lane = (d-split, head, token); partial dot products reduced with shuffles, then a
+//            softmax over the token lanes; probabilities written once (to global and smem).
+//   P @ V  : lane = (token-split, head, 16-byte chunk of D); reduced over the token split.
+//   dK, dV : lane = (token, chunk); sums over the G heads of the group, written once.
+// Shared-memory rows are padded by 16 bytes so lanes reading the same chunk of different rows
+// hit different banks.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "small_seq_kernels.h"
+
+namespace jaxcp::cuda {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kMaxLen = 16;
+constexpr int kMaxWarpsPerBlock = 8;
+constexpr size_t kDefaultSmemBytes = 48 * 1024;
+
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* probs;  // bwd input
+  const void* dout;    // bwd input
+  const int32_t* kv_start;
+  const int32_t* kv_len;
+  const int32_t* kv_mask;
+  void* out;           // fwd output
+  float* probs_out;    // fwd output
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t batch, q_heads, kv_heads, tokens;
+  int group, max_len;
+  int warp_smem;  // bytes of shared memory per warp
+  float scale;
+};
+
+// ---------------------------------------------------------------- element conversions
+
+template <typename T>
+struct Cvt;
+
+template <>
+struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ void unpack(const uint4& u, float* f) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  static __device__ __forceinline__ uint32_t pack2(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <>
+struct Cvt<__half> {
+  static __device__ __forceinline__ void unpack(const uint4& u, float* f) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+  static __device__ __forceinline__ uint32_t pack2(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float* f, float s) {
+  uint4 u;
+  u.x = Cvt<T>::pack2(f[0] * s, f[1] * s);
+  u.y = Cvt<T>::pack2(f[2] * s, f[3] * s);
+  u.z = Cvt<T>::pack2(f[4] * s, f[5] * s);
+  u.w = Cvt<T>::pack2(f[6] * s, f[7] * s);
+  return u;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 lds16(const T* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void stg16(T* p, const uint4& u) {
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// ---------------------------------------------------------------- cp.async (sm_80+)
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ int pow2_ceil(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+// ---------------------------------------------------------------- per-warp task setup
+
+template <int D>
+struct Geometry {
+  static constexpr int kChunks = D / 8;                        // 16-byte chunks per row
+  static constexpr int kRow = D + 8;                           // padded smem row (elements)
+  static constexpr int kChunkLanes = kChunks < 32 ? kChunks : 32;
+  static constexpr int kChunksPerLane = kChunks / kChunkLanes;  // 2 for D = 512
+};
+
+struct Task {
+  int64_t b, start;
+  int g, len;
+  uint32_t mask;
+};
+
+__device__ __forceinline__ bool task_of(const Params& p, Task* t) {
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (w >= p.batch * p.kv_heads) return false;
+  t->b = w / p.kv_heads;
+  t->g = static_cast<int>(w - t->b * p.kv_heads);
+  t->start = min(max(static_cast<int64_t>(p.kv_start[t->b]), int64_t{0}), p.tokens);
+  const int len = min(max(p.kv_len[t->b], 0), p.max_len);
+  t->len = static_cast<int>(min(static_cast<int64_t>(len), p.tokens - t->start));
+  t->mask = static_cast<uint32_t>(p.kv_mask[t->b]);
+  return true;
+}
+
+__device__ __forceinline__ bool allowed(uint32_t mask, int j) { return (mask >> j) & 1u; }
+
+// Stages the allowed K/V tokens of the task and `n_rows` contiguous [D] rows of `rows_a`
+// (and of `rows_b` when given) into padded smem rows.
+template <typename T, int D>
+__device__ __forceinline__ void stage(const Params& p, const Task& t, int lane, T* Ks, T* Vs,
+                                      const T* rows_a, T* As, const T* rows_b, T* Bs,
+                                      int n_rows) {
+  using Geo = Geometry<D>;
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  for (int i = lane; i < t.len * Geo::kChunks; i += 32) {
+    const int j = i / Geo::kChunks, c = i % Geo::kChunks;
+    if (!allowed(t.mask, j)) continue;
+    const int64_t off = ((t.start + j) * p.kv_heads + t.g) * D + c * 8;
+    cp_async16(Ks + j * Geo::kRow + c * 8, k + off);
+    cp_async16(Vs + j * Geo::kRow + c * 8, v + off);
+  }
+  for (int i = lane; i < n_rows * Geo::kChunks; i += 32) {
+    const int r = i / Geo::kChunks, c = i % Geo::kChunks;
+    cp_async16(As + r * Geo::kRow + c * 8, rows_a + static_cast<int64_t>(i) * 8);
+    if (rows_b != nullptr) cp_async16(Bs + r * Geo::kRow + c * 8, rows_b + static_cast<int64_t>(i) * 8);
+  }
+}
+
+// dot(a_row, b_row) over this lane's share of the chunks (chunk c = split + n * splits).
+template <typename T, int D>
+__device__ __forceinline__ float partial_dot(const T* a, const T* b, int split, int splits) {
+  float acc = 0.f;
+#pragma unroll 4
+  for (int c = split; c < Geometry<D>::kChunks; c += splits) {
+    float af[8], bf[8];
+    Cvt<T>::unpack(lds16(a + c * 8), af);
+    Cvt<T>::unpack(lds16(b + c * 8), bf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(af[e], bf[e], acc);
+  }
+  return acc;
+}
+
+// Lane layout of the score phase: lane = (d-split, head, token), token fastest.
+struct ScoreLanes {
+  int tl, hpp, ds_count, j, hs, ds;
+  __device__ ScoreLanes(int lane, int max_len, int group) {
+    tl = pow2_ceil(max(max_len, 1));
+    hpp = min(pow2_ceil(group), 32 / tl);
+    ds_count = 32 / (tl * hpp);
+    j = lane & (tl - 1);
+    hs = (lane / tl) & (hpp - 1);
+    ds = lane / (tl * hpp);
+  }
+};
+
+// Lane layout of the "sum over tokens of weight * row" phases: lane = (token split, head, chunk).
+template <int D>
+struct RowLanes {
+  int hpv, ts_count, c0, hv, ts;
+  __device__ RowLanes(int lane, int group) {
+    constexpr int cl = Geometry<D>::kChunkLanes;
+    hpv = min(pow2_ceil(group), 32 / cl);
+    ts_count = 32 / (cl * hpv);
+    c0 = lane % cl;
+    hv = (lane / cl) & (hpv - 1);
+    ts = lane / (cl * hpv);
+  }
+};
+
+// out_h = scale * sum_j w[h][j] * rows[j] for the group's heads, written to dst [G, D] rows.
+template <typename T, int D>
+__device__ __forceinline__ void weighted_rows(const Task& t, int lane, int group, int max_len,
+                                              const float* W, const T* Rs, T* dst, float scale) {
+  using Geo = Geometry<D>;
+  const RowLanes<D> L(lane, group);
+  for (int h0 = 0; h0 < group; h0 += L.hpv) {
+    const int h = h0 + L.hv;
+    float acc[Geo::kChunksPerLane][8];
+#pragma unroll
+    for (int cc = 0; cc < Geo::kChunksPerLane; ++cc)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[cc][e] = 0.f;
+    if (h < group) {
+      for (int j = L.ts; j < t.len; j += L.ts_count) {
+        if (!allowed(t.mask, j)) continue;
+        const float w = W[h * max_len + j];
+#pragma unroll
+        for (int cc = 0; cc < Geo::kChunksPerLane; ++cc) {
+          float f[8];
+          Cvt<T>::unpack(lds16(Rs + j * Geo::kRow + (L.c0 + cc * Geo::kChunkLanes) * 8), f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[cc][e] = fmaf(w, f[e], acc[cc][e]);
+        }
+      }
+    }
+    for (int o = Geo::kChunkLanes * L.hpv; o < 32; o <<= 1)
+#pragma unroll
+      for (int cc = 0; cc < Geo::kChunksPerLane; ++cc)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[cc][e] += __shfl_xor_sync(kFull, acc[cc][e], o);
+    if (L.ts == 0 && h < group) {
+#pragma unroll
+      for (int cc = 0; cc < Geo::kChunksPerLane; ++cc)
+        stg16(dst + static_cast<int64_t>(h) * D + (L.c0 + cc * Geo::kChunkLanes) * 8,
+              pack8<T>(acc[cc], scale));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- forward
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
+    small_seq_fwd_kernel(const Params p) {
+  using Geo = Geometry<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Task t;
+  if (!task_of(p, &t)) return;
+  const int lane = threadIdx.x & 31;
+  const int G = p.group, ML = p.max_len;
+  T* Ks = reinterpret_cast<T*>(smem + (threadIdx.x >> 5) * p.warp_smem);
+  T* Vs = Ks + ML * Geo::kRow;
+  T* Qs = Vs + ML * Geo::kRow;
+  float* Ps = reinterpret_cast<float*>(Qs + G * Geo::kRow);
+  const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;  // first q head of group
+
+  stage<T, D>(p, t, lane, Ks, Vs, static_cast<const T*>(p.q) + row0 * D, Qs, nullptr, nullptr, G);
+  cp_async_wait_all();
+  __syncwarp();
+
+  // Scores and softmax: probabilities to smem and (once) to global memory.
+  const ScoreLanes S(lane, ML, G);
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  for (int h0 = 0; h0 < G; h0 += S.hpp) {
+    const int h = h0 + S.hs;
+    const bool valid = h < G && S.j < t.len && allowed(t.mask, S.j);
+    float acc = 0.f;
+    if (valid) acc = partial_dot<T, D>(Qs + h * Geo::kRow, Ks + S.j * Geo::kRow, S.ds, S.ds_count);
+    for (int o = S.tl * S.hpp; o < 32; o <<= 1) acc += __shfl_xor_sync(kFull, acc, o);
+    const float s = valid ? acc * scale_log2 : -INFINITY;
+    float m = s;
+    for (int o = 1; o < S.tl; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+    const float e = valid ? exp2f(s - m) : 0.f;
+    float l = e;
+    for (int o = 1; o < S.tl; o <<= 1) l += __shfl_xor_sync(kFull, l, o);
+    const float prob = l > 0.f ? e / l : 0.f;
+    if (S.ds == 0 && h < G && S.j < ML) {
+      Ps[h * ML + S.j] = prob;
+      p.probs_out[(row0 + h) * ML + S.j] = prob;
+    }
+  }
+  __syncwarp();
+
+  weighted_rows<T, D>(t, lane, G, ML, Ps, Vs, static_cast<T*>(p.out) + row0 * D, 1.f);
+}
+
+// ---------------------------------------------------------------- backward
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
+    small_seq_bwd_kernel(const Params p) {
+  using Geo = Geometry<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Task t;
+  if (!task_of(p, &t)) return;
+  const int lane = threadIdx.x & 31;
+  const int G = p.group, ML = p.max_len;
+  T* Ks = reinterpret_cast<T*>(smem + (threadIdx.x >> 5) * p.warp_smem);
+  T* Vs = Ks + ML * Geo::kRow;
+  T* Qs = Vs + ML * Geo::kRow;
+  T* DOs = Qs + G * Geo::kRow;
+  float* Ps = reinterpret_cast<float*>(DOs + G * Geo::kRow);
+  float* DSs = Ps + ((G * ML + 3) & ~3);
+  const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
+
+  stage<T, D>(p, t, lane, Ks, Vs, static_cast<const T*>(p.q) + row0 * D, Qs,
+              static_cast<const T*>(p.dout) + row0 * D, DOs, G);
+  for (int i = lane; i < G * ML; i += 32) cp_async4(Ps + i, p.probs + row0 * ML + i);
+  cp_async_wait_all();
+  __syncwarp();
+
+  // dp = dO . V, delta = sum_j p dp, ds = p (dp - delta).
+  const ScoreLanes S(lane, ML, G);
+  for (int h0 = 0; h0 < G; h0 += S.hpp) {
+    const int h = h0 + S.hs;
+    const bool valid = h < G && S.j < t.len && allowed(t.mask, S.j);
+    float dp = 0.f;
+    if (valid) dp = partial_dot<T, D>(DOs + h * Geo::kRow, Vs + S.j * Geo::kRow, S.ds, S.ds_count);
+    for (int o = S.tl * S.hpp; o < 32; o <<= 1) dp += __shfl_xor_sync(kFull, dp, o);
+    const float pj = valid ? Ps[h * ML + S.j] : 0.f;
+    float delta = pj * dp;
+    for (int o = 1; o < S.tl; o <<= 1) delta += __shfl_xor_sync(kFull, delta, o);
+    __syncwarp();  // every lane has read Ps before it is rewritten
+    if (S.ds == 0 && h < G && S.j < ML) {
+      Ps[h * ML + S.j] = pj;  // 0 outside the row: later phases need no mask test
+      DSs[h * ML + S.j] = valid ? pj * (dp - delta) : 0.f;
+    }
+  }
+  __syncwarp();
+
+  // dq_h = scale * sum_j ds_hj k_j.
+  weighted_rows<T, D>(t, lane, G, ML, DSs, Ks, static_cast<T*>(p.dq) + row0 * D, p.scale);
+
+  // dk_j = scale * sum_h ds_hj q_h, dv_j = sum_h p_hj dO_h: lane = (token, chunk).
+  T* dk = static_cast<T*>(p.dk);
+  T* dv = static_cast<T*>(p.dv);
+  constexpr int cl = Geo::kChunkLanes, tj_count = 32 / cl;
+  const int c0 = lane % cl, tj = lane / cl;
+  for (int j0 = 0; j0 < t.len; j0 += tj_count) {
+    const int j = j0 + tj;
+    if (j >= t.len) continue;
+    float ak[Geo::kChunksPerLane][8], av[Geo::kChunksPerLane][8];
+#pragma unroll
+    for (int cc = 0; cc < Geo::kChunksPerLane; ++cc)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ak[cc][e] = av[cc][e] = 0.f;
+    for (int h = 0; h < G; ++h) {
+      const float ds = DSs[h * ML + j], pj = Ps[h * ML + j];
+#pragma unroll
+      for (int cc = 0; cc < Geo::kChunksPerLane; ++cc) {
+        const int c = (c0 + cc * cl) * 8;
+        float qf[8], of[8];
+        Cvt<T>::unpack(lds16(Qs + h * Geo::kRow + c), qf);
+        Cvt<T>::unpack(lds16(DOs + h * Geo::kRow + c), of);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          ak[cc][e] = fmaf(ds, qf[e], ak[cc][e]);
+          av[cc][e] = fmaf(pj, of[e], av[cc][e]);
+        }
+      }
+    }
+    const int64_t off = ((t.start + j) * p.kv_heads + t.g) * D;
+#pragma unroll
+    for (int cc = 0; cc < Geo::kChunksPerLane; ++cc) {
+      const int c = (c0 + cc * cl) * 8;
+      stg16(dk + off + c, pack8<T>(ak[cc], p.scale));
+      stg16(dv + off + c, pack8<T>(av[cc], 1.f));
+    }
+  }
+
+  // Zero the dk/dv tokens no row covers: from the end of this row to the next row's start
+  // (the end of the buffer for the last row), and before the first row.
+  const int64_t next =
+      t.b + 1 < p.batch
+          ? min(max(static_cast<int64_t>(p.kv_start[t.b + 1]), int64_t{0}), p.tokens)
+          : p.tokens;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  auto zero_tokens = [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lane; i < (hi - lo) * Geo::kChunks; i += 32) {
+      const int64_t tok = lo + i / Geo::kChunks;
+      const int c = static_cast<int>(i % Geo::kChunks);
+      const int64_t off = (tok * p.kv_heads + t.g) * D + c * 8;
+      stg16(dk + off, zero);
+      stg16(dv + off, zero);
+    }
+  };
+  if (next > t.start + t.len) zero_tokens(t.start + t.len, next);
+  if (t.b == 0 && t.start > 0) zero_tokens(0, t.start);
+}
+
+// ---------------------------------------------------------------- host side
+
+size_t round16(size_t x) { return (x + 15) & ~size_t{15}; }
+
+size_t warp_smem_bytes(const SmallSeqArgs& a, bool backward) {
+  const size_t row = static_cast<size_t>(a.head_dim + 8) * 2;  // padded 16-bit row
+  const size_t g = static_cast<size_t>(a.q_heads / a.kv_heads);
+  const size_t ml = static_cast<size_t>(a.max_len);
+  size_t bytes = 2 * ml * row + g * row;  // K, V, Q
+  if (backward) bytes += g * row + 2 * round16(g * ml * 4);  // dO, P, dS
+  else bytes += round16(g * ml * 4);                           // P
+  return round16(bytes);
+}
+
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, const SmallSeqArgs& a, bool backward, Params p,
+                   cudaStream_t stream) {
+  const int64_t tasks = a.batch * a.kv_heads;
+  if (tasks == 0) return cudaSuccess;
+  const size_t per_warp = warp_smem_bytes(a, backward);
+  const int warps = static_cast<int>(std::clamp<size_t>(kDefaultSmemBytes / per_warp, 1,
+                                                        kMaxWarpsPerBlock));
+  const size_t smem = per_warp * warps;
+  if (smem > kDefaultSmemBytes) {  // only for very large GQA groups at D = 512
+    int device = 0, optin = 0;
+    if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                               device);
+        e != cudaSuccess)
+      return e;
+    if (smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem));
+        e != cudaSuccess)
+      return e;
+  }
+  const int64_t blocks = (tasks + warps - 1) / warps;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  p.warp_smem = static_cast<int>(per_warp);
+  kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+bool valid_args(const SmallSeqArgs& a) {
+  return a.batch >= 0 && a.kv_heads > 0 && a.q_heads % a.kv_heads == 0 && a.tokens >= 0 &&
+         a.max_len >= 0 && a.max_len <= kMaxLen && small_seq_head_dim_supported(a.head_dim);
+}
+
+Params make_params(const SmallSeqArgs& a) {
+  Params p{};
+  p.batch = a.batch;
+  p.q_heads = a.q_heads;
+  p.kv_heads = a.kv_heads;
+  p.tokens = a.tokens;
+  p.group = static_cast<int>(a.q_heads / a.kv_heads);
+  p.max_len = static_cast<int>(a.max_len);
+  p.scale = a.scale;
+  return p;
+}
+
+template <typename T, int D>
+cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  return launch(small_seq_fwd_kernel<T, D>, a, false, p, s);
+}
+
+template <typename T, int D>
+cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  return launch(small_seq_bwd_kernel<T, D>, a, true, p, s);
+}
+
+template <typename T>
+cudaError_t dispatch_fwd(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  switch (a.head_dim) {
+    case 64: return fwd_typed<T, 64>(a, p, s);
+    case 128: return fwd_typed<T, 128>(a, p, s);
+    case 256: return fwd_typed<T, 256>(a, p, s);
+    case 512: return fwd_typed<T, 512>(a, p, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t dispatch_bwd(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  switch (a.head_dim) {
+    case 64: return bwd_typed<T, 64>(a, p, s);
+    case 128: return bwd_typed<T, 128>(a, p, s);
+    case 256: return bwd_typed<T, 256>(a, p, s);
+    case 512: return bwd_typed<T, 512>(a, p, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool small_seq_head_dim_supported(int64_t head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256 || head_dim == 512;
+}
+
+cudaError_t small_seq_fwd(const SmallSeqArgs& args, SmallSeqDType dtype, const void* q,
+                          const void* k, const void* v, const int32_t* kv_start,
+                          const int32_t* kv_len, const int32_t* kv_mask, void* out, float* probs,
+                          cudaStream_t stream) {
+  if (!valid_args(args)) return cudaErrorInvalidValue;
+  Params p = make_params(args);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.kv_start = kv_start;
+  p.kv_len = kv_len;
+  p.kv_mask = kv_mask;
+  p.out = out;
+  p.probs_out = probs;
+  return dtype == SmallSeqDType::kBF16 ? dispatch_fwd<__nv_bfloat16>(args, p, stream)
+                                       : dispatch_fwd<__half>(args, p, stream);
+}
+
+cudaError_t small_seq_bwd(const SmallSeqArgs& args, SmallSeqDType dtype, const void* q,
+                          const void* k, const void* v, const float* probs, const void* dout,
+                          const int32_t* kv_start, const int32_t* kv_len, const int32_t* kv_mask,
+                          void* dq, void* dk, void* dv, cudaStream_t stream) {
+  if (!valid_args(args)) return cudaErrorInvalidValue;
+  if (args.batch == 0 || args.max_len == 0) {  // nothing attends: every gradient is zero
+    const size_t kv_bytes = static_cast<size_t>(args.tokens * args.kv_heads * args.head_dim) * 2;
+    const size_t q_bytes = static_cast<size_t>(args.batch * args.q_heads * args.head_dim) * 2;
+    cudaError_t e = cudaMemsetAsync(dk, 0, kv_bytes, stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(dv, 0, kv_bytes, stream);
+    if (e == cudaSuccess && q_bytes) e = cudaMemsetAsync(dq, 0, q_bytes, stream);
+    return e;
+  }
+  Params p = make_params(args);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.probs = probs;
+  p.dout = dout;
+  p.kv_start = kv_start;
+  p.kv_len = kv_len;
+  p.kv_mask = kv_mask;
+  p.dq = dq;
+  p.dk = dk;
+  p.dv = dv;
+  return dtype == SmallSeqDType::kBF16 ? dispatch_bwd<__nv_bfloat16>(args, p, stream)
+                                       : dispatch_bwd<__half>(args, p, stream);
+}
+
+}  // namespace jaxcp::cuda
