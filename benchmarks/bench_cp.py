@@ -56,21 +56,23 @@ def _overlap_evidence(hlo: str) -> bool:
   return False
 
 
-def _rank_compute_time(q, k, v, do, seg, pos, cp, balanced):
-  """Slowest rank's kernel time with all K/V local (the work a rank does, without communication)."""
-  times = []
+def _rank_local_fwd_bwd(qa, k, v, doa, sq, pq, sk, pk):
+  return jax.vjp(lambda qa, k, v: jaxcp.attention(qa, k, v, segment_ids=sq, positions=pq, kv_segment_ids=sk,
+                                                  kv_positions=pk, is_causal=True), qa, k, v)[1](doa)
+
+
+_rank_local = jax.jit(_rank_local_fwd_bwd)
+
+
+def _rank_compute_time(q, k, v, do, seg, pos, cp):
+  """Slowest rank's kernel time with all K/V local: the work a rank does, without communication."""
   dev = jax.devices()[0]
-  f = jax.jit(_fwd_bwd("all_gather"))
   s = q.shape[1] // cp
+  times = []
   for r in range(cp):
     sl = slice(r * s, (r + 1) * s)
-    qa, doa = q[:, sl], do[:, sl]
-    fn = jax.jit(lambda qa, k, v, doa, sq, pq, sk, pk: jax.vjp(
-        lambda qa, k, v: jaxcp.attention(qa, k, v, segment_ids=sq, positions=pq, kv_segment_ids=sk,
-                                         kv_positions=pk, is_causal=True), qa, k, v)[1](doa))
-    args = [jax.device_put(x, dev) for x in (qa, k, v, doa, seg[:, sl], pos[:, sl], seg, pos)]
-    times.append(common.time_fn(fn, *args, warmup=1, reps=3))
-  del f
+    args = [jax.device_put(x, dev) for x in (q[:, sl], k, v, do[:, sl], seg[:, sl], pos[:, sl], seg, pos)]
+    times.append(common.time_fn(_rank_local, *args, warmup=1, reps=2))
   return max(times)
 
 
@@ -102,7 +104,7 @@ def run(seq_len, mean_doc, n_list, reps):
       perm = (lambda x: x) if balance == "none" else (lambda x: load_balance(x, n, axis=1, strategy="striped"))
       host = [perm(x) for x in (q, k, v, do, seg, pos)]
       args = [jax.device_put(x, s) for x, s in zip(host, (s4, s4, s4, s4, s2, s2))]
-      t_comp = _rank_compute_time(*host, n, balance != "none")
+      t_comp = _rank_compute_time(*host, n)
       for strategy in ("all_gather", "ring"):
         f = jax.jit(_fwd_bwd(strategy))
         hlo = f.lower(*args).compile().as_text()

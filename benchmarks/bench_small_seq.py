@@ -248,6 +248,7 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=None)
   parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
   parser.add_argument("--only", default=None, help="substring filter on case names")
+  parser.add_argument("--out", default=None, help="output folder (default $OUT or benchmarks/results)")
   args = parser.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   cases = QUICK_CASES if args.quick else gpu_cases()
@@ -266,7 +267,7 @@ def main(argv=None):
     results.append(r)
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     md = markdown(results, meta)  # written after every case: partial runs keep their results
-    out_dir = common.write_results("small_seq", dict(meta=meta, results=results), md)
+    out_dir = common.write_results("small_seq", dict(meta=meta, results=results), md, args.out)
   print(md)
   print(f"wrote {out_dir}/small_seq.json and small_seq.md")
 
