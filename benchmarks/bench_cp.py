@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
 
 import jaxcp  # noqa: E402
-from jaxcp._src.load_balance import load_balance  # noqa: E402
+from jaxcp import apply_permutation, load_balance, load_balance_permutation  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -76,7 +76,17 @@ def _rank_compute_time(q, k, v, do, seg, pos, cp):
   return max(times)
 
 
-def run(seq_len, mean_doc, n_list, reps):
+def _balancer(balance, n, seg):
+  """Token permutation for a balance strategy (applied to every per-token array)."""
+  if balance == "none":
+    return lambda x: x
+  if balance in ("striped", "zigzag"):
+    return lambda x: load_balance(x, n, axis=1, strategy=balance)
+  perm = load_balance_permutation(seg, n, strategy=balance)
+  return lambda x: apply_permutation(x, perm, axis=1)
+
+
+def run(seq_len, mean_doc, n_list, reps, balances=("none", "striped")):
   rng = np.random.default_rng(0)
   rows = common.packed_rows(rng, 1, seq_len, mean_doc)
   seg, pos = common.segments_and_positions(rows, seq_len)
@@ -100,8 +110,8 @@ def run(seq_len, mean_doc, n_list, reps):
       continue
     mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
     s4, s2 = NamedSharding(mesh, P(None, "cp", None, None)), NamedSharding(mesh, P(None, "cp"))
-    for balance in ("none", "striped"):
-      perm = (lambda x: x) if balance == "none" else (lambda x: load_balance(x, n, axis=1, strategy="striped"))
+    for balance in balances:
+      perm = _balancer(balance, n, seg)
       host = [perm(x) for x in (q, k, v, do, seg, pos)]
       args = [jax.device_put(x, s) for x, s in zip(host, (s4, s4, s4, s4, s2, s2))]
       t_comp = _rank_compute_time(*host, n)
@@ -132,12 +142,14 @@ def main(argv=None):
   ap.add_argument("--docs", type=int, nargs="+", default=[8192, 32768])
   ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
   ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--balance", nargs="+", default=["none", "striped", "balanced_blocks"],
+                  help="none, striped, zigzag, zigzag_docs, balanced_blocks")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   rows = []
   for s in args.seq:
     for d in args.docs:
-      rows += run(s, d, args.gpus, args.reps)
+      rows += run(s, d, args.gpus, args.reps, args.balance)
   meta = common.run_metadata()
   header = ["S", "mean doc", "GPUs", "strategy", "balance", "ms", "TFLOP/s", "CP efficiency", "exposed comm", "max rel err", "overlap"]
   table = [[r["seq"], r["mean_doc"], r["gpus"], r["strategy"], r["balance"], f"{r['ms']:.1f}", f"{r['tflops']:.0f}",
