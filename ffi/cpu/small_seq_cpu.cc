@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../common/ffi_helpers.h"
+#include "../common/small_seq_checks.h"
 #include "cpu_handlers.h"
 #include "small_seq_cpu_kernels.h"
 
@@ -17,28 +18,12 @@ namespace {
 using ffi::AnyBuffer;
 using I32 = ffi::Buffer<ffi::S32>;
 
-constexpr int64_t kMaxLen = 16;
-
 ffi::Error small_seq_shape(const AnyBuffer& q, const AnyBuffer& k, const AnyBuffer& v,
                            const I32& start, const I32& len, const I32& mask, int64_t max_len,
                            float scale, SmallSeqShape* s) {
+  if (auto e = check_small_seq_inputs(q, k, v, start, len, mask, max_len); e.failure()) return e;
   auto qd = q.dimensions();
   auto kd = k.dimensions();
-  auto vd = v.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3)
-    return invalid("small_seq: q must be [B,Hq,D] and k/v [T,Hkv,D]");
-  if (kd[0] != vd[0] || kd[1] != vd[1] || kd[2] != vd[2])
-    return invalid("small_seq: k and v must have the same shape");
-  if (kd[2] != qd[2]) return invalid("small_seq: q and k disagree on head_dim");
-  if (kd[1] <= 0 || qd[1] % kd[1] != 0)
-    return invalid("small_seq: q heads must be a multiple of kv heads");
-  if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
-    return invalid("small_seq: q, k and v must share a dtype");
-  if (max_len < 0 || max_len > kMaxLen) return invalid("small_seq: max_len must be in [0, 16]");
-  for (const I32* a : {&start, &len, &mask}) {
-    auto d = a->dimensions();
-    if (d.size() != 1 || d[0] != qd[0]) return invalid("small_seq: index arrays must be [B]");
-  }
   s->batch = qd[0];
   s->q_heads = qd[1];
   s->head_dim = qd[2];
@@ -50,10 +35,7 @@ ffi::Error small_seq_shape(const AnyBuffer& q, const AnyBuffer& k, const AnyBuff
 }
 
 ffi::Error check_probs(const SmallSeqShape& s, const ffi::Buffer<ffi::F32>& p) {
-  auto d = p.dimensions();
-  if (d.size() != 3 || d[0] != s.batch || d[1] != s.q_heads || d[2] != s.max_len)
-    return invalid("small_seq: probs must be float32 [B,Hq,max_len]");
-  return ffi::Error::Success();
+  return check_small_seq_probs(p, s.batch, s.q_heads, s.max_len);
 }
 
 ffi::Error SmallSeqFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, I32 kv_start, I32 kv_len,

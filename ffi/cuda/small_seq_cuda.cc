@@ -10,6 +10,7 @@
 #include <string>
 
 #include "../common/ffi_helpers.h"
+#include "../common/small_seq_checks.h"
 #include "cuda_handlers.h"
 #include "small_seq_kernels.h"
 
@@ -32,26 +33,12 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 ffi::Error shape_of(const AnyBuffer& q, const AnyBuffer& k, const AnyBuffer& v, const I32& start,
                     const I32& len, const I32& mask, int64_t max_len, float scale,
                     SmallSeqArgs* a, SmallSeqDType* dtype) {
+  if (auto e = check_small_seq_inputs(q, k, v, start, len, mask, max_len); e.failure()) return e;
   auto qd = q.dimensions();
   auto kd = k.dimensions();
-  auto vd = v.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3)
-    return invalid("small_seq: q must be [B,Hq,D] and k/v [T,Hkv,D]");
-  if (kd[0] != vd[0] || kd[1] != vd[1] || kd[2] != vd[2])
-    return invalid("small_seq: k and v must have the same shape");
-  if (kd[2] != qd[2]) return invalid("small_seq: q and k disagree on head_dim");
-  if (kd[1] <= 0 || qd[1] % kd[1] != 0)
-    return invalid("small_seq: q heads must be a multiple of kv heads");
-  if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
-    return invalid("small_seq: q, k and v must share a dtype");
   if (!small_seq_head_dim_supported(qd[2]))
     return invalid("small_seq (CUDA): head_dim must be 64, 128, 256 or 512, got " +
                    std::to_string(qd[2]));
-  if (max_len < 0 || max_len > 16) return invalid("small_seq: max_len must be in [0, 16]");
-  for (const I32* x : {&start, &len, &mask}) {
-    auto d = x->dimensions();
-    if (d.size() != 1 || d[0] != qd[0]) return invalid("small_seq: index arrays must be [B]");
-  }
   if (!aligned16(q.untyped_data()) || !aligned16(k.untyped_data()) ||
       !aligned16(v.untyped_data()))
     return invalid("small_seq (CUDA): q, k and v must be 16-byte aligned");
@@ -66,10 +53,7 @@ ffi::Error shape_of(const AnyBuffer& q, const AnyBuffer& k, const AnyBuffer& v, 
 }
 
 ffi::Error check_probs(const SmallSeqArgs& a, const ffi::Buffer<ffi::F32>& p) {
-  auto d = p.dimensions();
-  if (d.size() != 3 || d[0] != a.batch || d[1] != a.q_heads || d[2] != a.max_len)
-    return invalid("small_seq: probs must be float32 [B,Hq,max_len]");
-  return ffi::Error::Success();
+  return check_small_seq_probs(p, a.batch, a.q_heads, a.max_len);
 }
 
 ffi::Error status(cudaError_t launch, const char* what) {

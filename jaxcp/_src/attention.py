@@ -9,13 +9,12 @@ import jax.numpy as jnp
 
 from . import context_parallel, masks, registry
 from .attention_primitive import AttentionConfig, attention_bwd_p, attention_fwd_p
+from .primitive_utils import choose_implementation
 from .reference import attention_reference
 from .small_seq import small_seq_eligible, small_seq_from_attention
 
-_IMPLEMENTATIONS = (None, "cuda", "cpu", "xla")
 _CP_STRATEGIES = ("auto", "all_gather", "ring")
 _CUDA_HEAD_DIMS = (64, 128, 256)
-_CUDA_DTYPES = (jnp.bfloat16, jnp.float16)
 _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -92,28 +91,6 @@ def _check_qkv(query, key, value):
     raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) (MHA, GQA or MQA).")
 
 
-def _choose_implementation(implementation, dtype, head_dim) -> str:
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}.")
-  if implementation == "xla":
-    return "xla"
-  platform = registry.kernel_platform()
-  cuda_ok = dtype in _CUDA_DTYPES and head_dim in _CUDA_HEAD_DIMS
-  if implementation is None:
-    if platform == "cuda":
-      return "cuda" if cuda_ok else "xla"
-    return platform or "xla"
-  if implementation != platform:
-    raise ValueError(
-        f"implementation={implementation!r} is not available on the {registry.default_backend()!r} "
-        f"backend (available kernel: {platform!r}); use implementation=None or 'xla'.")
-  if implementation == "cuda" and not cuda_ok:
-    raise ValueError(
-        f"implementation='cuda' supports bfloat16/float16 and head_dim in {_CUDA_HEAD_DIMS}, "
-        f"got {dtype} and head_dim={head_dim}; use implementation=None to fall back to 'xla'.")
-  return implementation
-
-
 # ---------------------------------------------------------------- public API
 
 
@@ -159,7 +136,7 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   q_seg, q_pos, kv_seg, kv_pos = masks.token_arrays(
       b, sq, skv, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
       kv_positions=kv_positions, cu_seqlens=cu_seqlens)
-  impl = _choose_implementation(implementation, query.dtype, d)
+  impl = choose_implementation(implementation, query.dtype, d, _CUDA_HEAD_DIMS)
   # One query against at most 16 keys: the memory-bound small-sequence kernel (same results).
   if impl != "xla" and small_seq_eligible(query, key, implementation=impl, return_residual=return_residual,
                                           context_parallel_axis=context_parallel_axis):

@@ -8,13 +8,13 @@ Two layers, as in JAX's own cuDNN attention:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import compat, registry
+from .primitive_utils import make_primitive, register_ffi_lowering
 from .mask_spec import MaskSpec
 
 FWD_TARGET = "jaxcp_attention_fwd"
@@ -61,30 +61,10 @@ def _with_workspace(abstract_eval):
   return abstract
 
 
-def _kernel_lowering(target, with_deterministic):
-  rule = compat.ffi_lowering(target)
-
-  def lower(ctx, *args, config, workspace_bytes):
-    return rule(ctx, *args, **config.ffi_attrs(with_deterministic))
-
-  return lower
-
-
-def _make_primitive(name, abstract_eval):
-  p = compat.Primitive(name)
-  p.multiple_results = True
-  p.def_impl(functools.partial(compat.apply_primitive, p))
-  p.def_abstract_eval(abstract_eval)
-  return p
-
-
-attention_fwd_kernel_p = _make_primitive("jaxcp_attention_fwd_kernel", _with_workspace(_fwd_abstract))
-attention_bwd_kernel_p = _make_primitive("jaxcp_attention_bwd_kernel", _with_workspace(_bwd_abstract))
-for _platform in ("cpu", "cuda"):
-  compat.mlir.register_lowering(attention_fwd_kernel_p, _kernel_lowering(FWD_TARGET, False),
-                                platform=_platform)
-  compat.mlir.register_lowering(attention_bwd_kernel_p, _kernel_lowering(BWD_TARGET, True),
-                                platform=_platform)
+attention_fwd_kernel_p = make_primitive("jaxcp_attention_fwd_kernel", _with_workspace(_fwd_abstract))
+attention_bwd_kernel_p = make_primitive("jaxcp_attention_bwd_kernel", _with_workspace(_bwd_abstract))
+register_ffi_lowering(attention_fwd_kernel_p, FWD_TARGET, lambda config: config.ffi_attrs(False))
+register_ffi_lowering(attention_bwd_kernel_p, BWD_TARGET, lambda config: config.ffi_attrs(True))
 
 
 def fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
@@ -105,8 +85,8 @@ def bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, conf
 
 # ---------------------------------------------------------------- public-facing primitives
 
-attention_fwd_p = _make_primitive("jaxcp_attention_fwd", _fwd_abstract)
-attention_bwd_p = _make_primitive("jaxcp_attention_bwd", _bwd_abstract)
+attention_fwd_p = make_primitive("jaxcp_attention_fwd", _fwd_abstract)
+attention_bwd_p = make_primitive("jaxcp_attention_bwd", _bwd_abstract)
 
 
 def _fold_batch(x, dim, n):

@@ -15,7 +15,6 @@ K/V with no communication.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,26 +22,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import compat, context_parallel
 from .attention_primitive import bwd_kernel, fwd_kernel
+from .primitive_utils import axis_size, spec_of
 
 # Argument positions.
 _FWD_SEQ_ARGS = 7   # q, k, v, q_seg, q_pos, kv_seg, kv_pos
 _BWD_ARGS = 11      # q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos
-
-
-def _spec(shape_struct, ndim):
-  sharding = getattr(shape_struct, "sharding", None)
-  if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return spec[:ndim]
-  return (None,) * ndim
-
-
-def _axis_size(mesh, axes) -> int:
-  if axes is None:
-    return 1
-  if isinstance(axes, str):
-    axes = (axes,)
-  return math.prod(mesh.shape[a] for a in axes)
 
 
 def _axis_index(axes):
@@ -82,17 +66,17 @@ class Layout:
 
 
 def choose_layout(mesh, q, k) -> Layout:
-  qspec, kspec = _spec(q, 4), _spec(k, 4)
+  qspec, kspec = spec_of(q, 4), spec_of(k, 4)
   batch, heads, seq = qspec[0], qspec[2], qspec[1]
   b, sq, hq, _ = q.shape
   skv, hkv = k.shape[1], k.shape[2]
-  if b % _axis_size(mesh, batch):
+  if b % axis_size(mesh, batch):
     batch = None
-  n_seq = _axis_size(mesh, seq)
+  n_seq = axis_size(mesh, seq)
   if seq is not None and (sq % n_seq or skv % n_seq):
     seq = None
   kv_seq = seq if (seq is not None and kspec[1] is not None) else None
-  n = _axis_size(mesh, heads)
+  n = axis_size(mesh, heads)
   if heads is None or hq % n:
     return Layout(batch, None, None, False, seq, kv_seq)
   if hkv % n == 0:
@@ -107,7 +91,7 @@ def _cp_plan(config, mesh, layout: Layout, q, k):
   """(strategy, cp_size) when K/V are sharded over a context-parallel axis, else None."""
   if layout.kv_seq is None:
     return None
-  cp_size = _axis_size(mesh, layout.kv_seq)
+  cp_size = axis_size(mesh, layout.kv_seq)
   strategy = context_parallel.choose_strategy(
       config.context_parallel, cp_size, k.shape[1] // cp_size, q.shape[2], k.shape[2])
   return strategy, cp_size
@@ -152,7 +136,7 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   layout = choose_layout(mesh, q, k)
   arg_specs, out_specs = _fwd_shardings(layout)
-  head_index = _kv_head_slicer(layout, q.shape[2], _axis_size(mesh, layout.q_heads))
+  head_index = _kv_head_slicer(layout, q.shape[2], axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
   local = lambda *a: fwd_kernel(*a, config)
 
@@ -185,7 +169,7 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   layout = choose_layout(mesh, q, k)
   arg_specs, out_specs = _bwd_shardings(layout)
-  head_index = _kv_head_slicer(layout, q.shape[2], _axis_size(mesh, layout.q_heads))
+  head_index = _kv_head_slicer(layout, q.shape[2], axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
   local = lambda *a: bwd_kernel(*a, config)
 

@@ -10,18 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .mask_spec import MaskSpec
-
-
-def _check_int_array(name, x, shape):
-  if x is None:
-    return None
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array (int32), got dtype {x.dtype}.")
-  if tuple(x.shape) != tuple(shape):
-    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}.")
-  return x.astype(jnp.int32)
+from .primitive_utils import check_int_array
 
 
 def positions_from_segments(segment_ids):
@@ -101,10 +90,10 @@ def token_arrays(batch, q_len, kv_len, *, segment_ids, positions, kv_segment_ids
   segment ids default to segment_ids and kv positions to `positions` when those are given, so a
   load-balanced (permuted) row needs only segment_ids and positions.
   """
-  segment_ids = _check_int_array("segment_ids", segment_ids, (batch, q_len))
-  kv_segment_ids = _check_int_array("kv_segment_ids", kv_segment_ids, (batch, kv_len))
-  positions = _check_int_array("positions", positions, (batch, q_len))
-  kv_positions = _check_int_array("kv_positions", kv_positions, (batch, kv_len))
+  segment_ids = None if segment_ids is None else check_int_array("segment_ids", segment_ids, (batch, q_len))
+  kv_segment_ids = None if kv_segment_ids is None else check_int_array("kv_segment_ids", kv_segment_ids, (batch, kv_len))
+  positions = None if positions is None else check_int_array("positions", positions, (batch, q_len))
+  kv_positions = None if kv_positions is None else check_int_array("kv_positions", kv_positions, (batch, kv_len))
 
   q_pos_default = kv_pos_default = None
   if cu_seqlens is not None:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .primitive_utils import (CUDA_DTYPES, axis_size, check_int_array, choose_implementation,
+                              make_primitive, register_ffi_lowering, spec_of)
 
 from . import compat, registry
 from .reference import allowed_pairs
@@ -32,9 +34,7 @@ FWD_TARGET = "jaxcp_small_seq_fwd"
 BWD_TARGET = "jaxcp_small_seq_bwd"
 
 MAX_KV_LEN = 16
-_IMPLEMENTATIONS = (None, "cuda", "cpu", "xla")
 _CUDA_HEAD_DIMS = (64, 128, 256, 512)
-_CUDA_DTYPES = (jnp.bfloat16, jnp.float16)
 _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _ALL_TOKENS = -1  # kv_mask value that allows every token of a row
 
@@ -73,30 +73,10 @@ def _kbwd_abstract(q, k, v, probs, dout, start, length, mask, *, config):
           compat.ShapedArray(v.shape, v.dtype))
 
 
-def _kernel_lowering(target):
-  rule = compat.ffi_lowering(target)
-
-  def lower(ctx, *args, config):
-    return rule(ctx, *args, **config.ffi_attrs())
-
-  return lower
-
-
-def _make_primitive(name, abstract_eval):
-  p = compat.Primitive(name)
-  p.multiple_results = True
-  p.def_impl(functools.partial(compat.apply_primitive, p))
-  p.def_abstract_eval(abstract_eval)
-  return p
-
-
-small_seq_fwd_kernel_p = _make_primitive("jaxcp_small_seq_fwd_kernel", _kfwd_abstract)
-small_seq_bwd_kernel_p = _make_primitive("jaxcp_small_seq_bwd_kernel", _kbwd_abstract)
-for _platform in ("cpu", "cuda"):
-  compat.mlir.register_lowering(small_seq_fwd_kernel_p, _kernel_lowering(FWD_TARGET),
-                                platform=_platform)
-  compat.mlir.register_lowering(small_seq_bwd_kernel_p, _kernel_lowering(BWD_TARGET),
-                                platform=_platform)
+small_seq_fwd_kernel_p = make_primitive("jaxcp_small_seq_fwd_kernel", _kfwd_abstract)
+small_seq_bwd_kernel_p = make_primitive("jaxcp_small_seq_bwd_kernel", _kbwd_abstract)
+register_ffi_lowering(small_seq_fwd_kernel_p, FWD_TARGET, lambda config: config.ffi_attrs())
+register_ffi_lowering(small_seq_bwd_kernel_p, BWD_TARGET, lambda config: config.ffi_attrs())
 
 
 def _flat_kv(k, v, index, config):
@@ -129,22 +109,6 @@ def local_bwd(q, k, v, probs, dout, *index_and_config):
 # ---------------------------------------------------------------- sharding (DP + TP, no collective)
 
 
-def _spec(shape_struct, ndim):
-  sharding = getattr(shape_struct, "sharding", None)
-  if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    return spec[:ndim]
-  return (None,) * ndim
-
-
-def _axis_size(mesh, axes) -> int:
-  if axes is None:
-    return 1
-  if isinstance(axes, str):
-    axes = (axes,)
-  return math.prod(mesh.shape[a] for a in axes)
-
-
 def _choose_axes(config, mesh, q, k):
   """(batch axes, head axes) for this call, following the query's sharding.
 
@@ -152,11 +116,11 @@ def _choose_axes(config, mesh, q, k):
   communication). Heads shard only when Hq and Hkv both divide by the axis size, so that every
   shard holds whole GQA groups.
   """
-  qspec = _spec(q, 3)
+  qspec = spec_of(q, 3)
   batch, heads = qspec[0], qspec[1]
-  if config.ragged or q.shape[0] % _axis_size(mesh, batch):
+  if config.ragged or q.shape[0] % axis_size(mesh, batch):
     batch = None
-  n = _axis_size(mesh, heads)
+  n = axis_size(mesh, heads)
   hkv = k.shape[1] if config.ragged else k.shape[2]
   if heads is not None and (q.shape[1] % n or hkv % n):
     heads = None
@@ -226,8 +190,8 @@ def _bwd_abstract(q, k, v, probs, dout, *index, config):
           compat.ShapedArray(v.shape, v.dtype))
 
 
-small_seq_fwd_p = _make_primitive("jaxcp_small_seq_fwd", _fwd_abstract)
-small_seq_bwd_p = _make_primitive("jaxcp_small_seq_bwd", _bwd_abstract)
+small_seq_fwd_p = make_primitive("jaxcp_small_seq_fwd", _fwd_abstract)
+small_seq_bwd_p = make_primitive("jaxcp_small_seq_bwd", _bwd_abstract)
 
 
 def _move(x, dim, n):
@@ -346,38 +310,6 @@ def small_seq_reference(q, k, v, index, config: SmallSeqConfig):
 # ---------------------------------------------------------------- validation and public API
 
 
-def _check_int(name, x, shape):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array (int32), got dtype {x.dtype}.")
-  if tuple(x.shape) != tuple(shape):
-    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}.")
-  return x.astype(jnp.int32)
-
-
-def _choose_implementation(implementation, dtype, head_dim) -> str:
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}.")
-  if implementation == "xla":
-    return "xla"
-  platform = registry.kernel_platform()
-  cuda_ok = dtype in _CUDA_DTYPES and head_dim in _CUDA_HEAD_DIMS
-  if implementation is None:
-    if platform == "cuda":
-      return "cuda" if cuda_ok else "xla"
-    return platform or "xla"
-  if implementation != platform:
-    raise ValueError(
-        f"implementation={implementation!r} is not available on the {registry.default_backend()!r} "
-        f"backend (available kernel: {platform!r}); use implementation=None or 'xla'.")
-  if implementation == "cuda" and not cuda_ok:
-    raise ValueError(
-        f"implementation='cuda' supports bfloat16/float16 and head_dim in {_CUDA_HEAD_DIMS}, "
-        f"got {dtype} and head_dim={head_dim}; use implementation=None to fall back to 'xla'.")
-  return implementation
-
-
 def _check_scale(scale, head_dim) -> float:
   if scale is None:
     return float(head_dim) ** -0.5
@@ -451,7 +383,7 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
     if kv_lengths is None:
       length = jnp.full((b,), skv, jnp.int32)
     else:
-      length = _check_int("kv_lengths", kv_lengths, (b,))
+      length = check_int_array("kv_lengths", kv_lengths, (b,))
     ragged, max_len = False, skv
   elif key.ndim == 3:
     if kv_cu_seqlens is None:
@@ -463,7 +395,7 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
     t = key.shape[0]
     if t < 1:
       raise ValueError("key/value must hold at least one token (Tkv >= 1).")
-    cu = _check_int("kv_cu_seqlens", kv_cu_seqlens, (b + 1,))
+    cu = check_int_array("kv_cu_seqlens", kv_cu_seqlens, (b + 1,))
     cu = jax.lax.cummax(jnp.clip(cu, 0, t), axis=0)
     start, length = cu[:-1], cu[1:] - cu[:-1]
     ragged, max_len = True, min(MAX_KV_LEN, t)
@@ -477,7 +409,7 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
     raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) "
                      "(MHA, GQA or MQA).")
   scale = _check_scale(scale, d)
-  impl = _choose_implementation(implementation, query.dtype, d)
+  impl = choose_implementation(implementation, query.dtype, d, _CUDA_HEAD_DIMS)
   mask = jnp.full((b,), _ALL_TOKENS, jnp.int32)
   index = (start, length, mask) if ragged else (length, mask)
   config = SmallSeqConfig(scale, max_len, ragged)
@@ -511,7 +443,7 @@ def small_seq_eligible(query, key, *, implementation, return_residual=False,
   if implementation == "cpu":
     return query.dtype in _CPU_DTYPES
   if implementation == "cuda":
-    return query.dtype in _CUDA_DTYPES and query.shape[-1] in _CUDA_HEAD_DIMS
+    return query.dtype in CUDA_DTYPES and query.shape[-1] in _CUDA_HEAD_DIMS
   return False
 
 
