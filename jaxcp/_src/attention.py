@@ -7,13 +7,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import context_parallel, masks, registry
+from . import context_parallel as cp_lib
+from . import masks, registry
 from .attention_primitive import AttentionConfig, attention_bwd_p, attention_fwd_p
 from .primitive_utils import choose_implementation
 from .reference import attention_reference
 from .small_seq import small_seq_eligible, small_seq_from_attention
 
-_CP_STRATEGIES = ("auto", "all_gather", "ring")
 _CUDA_HEAD_DIMS = (64, 128, 256)
 _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -24,8 +24,8 @@ _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 def _cp_inside_shard_map(config, k, q):
   """Strategy, axis and size for an explicit context_parallel_axis (inside jax.shard_map)."""
   axis = config.context_parallel_axis
-  cp_size = context_parallel.axis_size(axis)
-  strategy = context_parallel.choose_strategy(config.context_parallel, cp_size, k.shape[1],
+  cp_size = cp_lib.axis_size(axis)
+  strategy = cp_lib.choose_strategy(config.context_parallel, cp_size, k.shape[1],
                                               q.shape[2], k.shape[2])
   return strategy, axis, cp_size, dataclasses.replace(config, context_parallel_axis=None)
 
@@ -35,7 +35,7 @@ def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
     return tuple(attention_fwd_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config))
   strategy, axis, cp_size, inner = _cp_inside_shard_map(config, k, q)
   local = lambda *a: tuple(attention_fwd_p.bind(*a, config=inner))
-  return context_parallel.cp_fwd(strategy, local, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+  return cp_lib.cp_fwd(strategy, local, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos)
 
 
 def _backward(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config):
@@ -44,7 +44,7 @@ def _backward(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, confi
     return tuple(attention_bwd_p.bind(*args, config=config))
   strategy, axis, cp_size, inner = _cp_inside_shard_map(config, k, q)
   local = lambda *a: tuple(attention_bwd_p.bind(*a, config=inner))
-  return context_parallel.cp_bwd(strategy, local, axis, cp_size, *args)
+  return cp_lib.cp_bwd(strategy, local, axis, cp_size, *args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -127,8 +127,8 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
     scale = d ** -0.5
   elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
     raise ValueError(f"scale must be None or a Python float, got {scale!r}.")
-  if context_parallel not in _CP_STRATEGIES:
-    raise ValueError(f"context_parallel must be one of {_CP_STRATEGIES}, got {context_parallel!r}.")
+  if context_parallel not in cp_lib.STRATEGIES:
+    raise ValueError(f"context_parallel must be one of {cp_lib.STRATEGIES}, got {context_parallel!r}.")
   if context_parallel_axis is not None and not isinstance(context_parallel_axis, str):
     raise ValueError(f"context_parallel_axis must be a mesh axis name (str) or None, got {context_parallel_axis!r}.")
   if not isinstance(deterministic, bool):

@@ -40,10 +40,6 @@ def register_ffi_target(name: str, capsule, platform: str) -> None:
   jax.ffi.register_ffi_target(name, capsule, platform=platform)
 
 
-def use_shardy() -> bool:
-  return bool(jax.config.jax_use_shardy_partitioner)
-
-
 def axis_size(axis_name) -> int:
   """Size of a named mesh axis inside shard_map / custom_partitioning bodies."""
   return jax.lax.axis_size(axis_name) if hasattr(jax.lax, "axis_size") else jax.lax.psum(1, axis_name)
