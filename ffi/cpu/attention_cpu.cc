@@ -2,6 +2,7 @@
 // run the reference kernels, convert back.
 #include <vector>
 
+#include "../common/attention_binding.h"
 #include "../common/ffi_helpers.h"
 #include "../common/host_dtypes.h"
 #include "attention_cpu_kernels.h"
@@ -101,43 +102,7 @@ namespace ffi = xla::ffi;
 using xla::ffi::AnyBuffer;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_attention_fwd, jaxcp::cpu::AttentionFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<AnyBuffer>()  // workspace (empty on the CPU)
-                                  .Attr<bool>("is_causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("chunk_size")
-                                  .Attr<float>("scale"));
+                              jaxcp::bind_attention_fwd(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_attention_bwd, jaxcp::cpu::AttentionBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()  // workspace (empty on the CPU)
-                                  .Attr<bool>("is_causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("chunk_size")
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("deterministic"));
+                              jaxcp::bind_attention_bwd(ffi::Ffi::Bind()));

@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "../common/attention_binding.h"
 #include "../common/ffi_helpers.h"
 #include "attention_kernels.h"
 #include "cuda_handlers.h"
@@ -164,47 +165,9 @@ namespace ffi = xla::ffi;
 using xla::ffi::AnyBuffer;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_fwd, jaxcp::cuda::AttentionFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<AnyBuffer>()  // workspace
-                                  .Attr<bool>("is_causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("chunk_size")
-                                  .Attr<float>("scale"),
+                              jaxcp::bind_attention_fwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd, jaxcp::cuda::AttentionBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()  // workspace
-                                  .Attr<bool>("is_causal")
-                                  .Attr<int64_t>("window_left")
-                                  .Attr<int64_t>("window_right")
-                                  .Attr<int64_t>("chunk_size")
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("deterministic"),
+                              jaxcp::bind_attention_bwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
