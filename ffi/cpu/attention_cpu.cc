@@ -48,6 +48,19 @@ ffi::Error from_float32(const std::vector<float>& in, AnyBuffer b) {
   }
 }
 
+ffi::Error all_to_float32(
+    std::initializer_list<std::pair<const AnyBuffer*, std::vector<float>*>> pairs) {
+  for (auto [src, dst] : pairs)
+    if (auto e = to_float32(*src, dst); e.failure()) return e;
+  return ffi::Error::Success();
+}
+
+ffi::Error GradStaging::store(AnyBuffer dq_out, AnyBuffer dk_out, AnyBuffer dv_out) const {
+  if (auto e = from_float32(dq, dq_out); e.failure()) return e;
+  if (auto e = from_float32(dk, dk_out); e.failure()) return e;
+  return from_float32(dv, dv_out);
+}
+
 namespace {
 
 ffi::Error AttentionFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
@@ -61,8 +74,7 @@ ffi::Error AttentionFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<f
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right,
                                          chunk_size, scale, /*deterministic=*/true);
   std::vector<float> qf, kf, vf, of(out->element_count());
-  for (auto [src, dst] : {std::pair{&q, &qf}, {&k, &kf}, {&v, &vf}})
-    if (auto e = to_float32(*src, dst); e.failure()) return e;
+  if (auto e = all_to_float32({{&q, &qf}, {&k, &kf}, {&v, &vf}}); e.failure()) return e;
   attention_fwd(a, qf.data(), kf.data(), vf.data(), q_seg.typed_data(), q_pos.typed_data(),
                 kv_seg.typed_data(), kv_pos.typed_data(), of.data(), lse->typed_data());
   return from_float32(of, *out);
@@ -83,16 +95,15 @@ ffi::Error AttentionBwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer out
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right,
                                          chunk_size, scale, deterministic);
   std::vector<float> qf, kf, vf, of, dof;
-  for (auto [src, dst] : {std::pair{&q, &qf}, {&k, &kf}, {&v, &vf}, {&out, &of}, {&dout, &dof}})
-    if (auto e = to_float32(*src, dst); e.failure()) return e;
-  std::vector<float> dqf(dq->element_count()), dkf(dk->element_count()), dvf(dv->element_count());
+  if (auto e = all_to_float32({{&q, &qf}, {&k, &kf}, {&v, &vf}, {&out, &of}, {&dout, &dof}});
+      e.failure())
+    return e;
+  GradStaging g(*dq, *dk, *dv);
   attention_bwd(a, qf.data(), kf.data(), vf.data(), of.data(), lse.typed_data(), dof.data(),
                 dlse.typed_data(),
                 q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(),
-                kv_pos.typed_data(), dqf.data(), dkf.data(), dvf.data());
-  if (auto e = from_float32(dqf, *dq); e.failure()) return e;
-  if (auto e = from_float32(dkf, *dk); e.failure()) return e;
-  return from_float32(dvf, *dv);
+                kv_pos.typed_data(), g.dq.data(), g.dk.data(), g.dv.data());
+  return g.store(*dq, *dk, *dv);
 }
 
 }  // namespace

@@ -47,8 +47,7 @@ ffi::Error SmallSeqFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, I32 kv_start, 
     return e;
   if (auto e = check_probs(s, *probs); e.failure()) return e;
   std::vector<float> qf, kf, vf, of(out->element_count());
-  for (auto [src, dst] : {std::pair{&q, &qf}, {&k, &kf}, {&v, &vf}})
-    if (auto e = to_float32(*src, dst); e.failure()) return e;
+  if (auto e = all_to_float32({{&q, &qf}, {&k, &kf}, {&v, &vf}}); e.failure()) return e;
   small_seq_fwd(s, qf.data(), kf.data(), vf.data(), kv_start.typed_data(), kv_len.typed_data(),
                 kv_mask.typed_data(), of.data(), probs->typed_data());
   return from_float32(of, *out);
@@ -65,15 +64,13 @@ ffi::Error SmallSeqBwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<ff
   if (auto e = check_probs(s, probs); e.failure()) return e;
   if (dout.element_count() != q.element_count()) return invalid("small_seq: dout must match q");
   std::vector<float> qf, kf, vf, dof;
-  for (auto [src, dst] : {std::pair{&q, &qf}, {&k, &kf}, {&v, &vf}, {&dout, &dof}})
-    if (auto e = to_float32(*src, dst); e.failure()) return e;
-  std::vector<float> dqf(dq->element_count()), dkf(dk->element_count()), dvf(dv->element_count());
+  if (auto e = all_to_float32({{&q, &qf}, {&k, &kf}, {&v, &vf}, {&dout, &dof}}); e.failure())
+    return e;
+  GradStaging g(*dq, *dk, *dv);
   small_seq_bwd(s, qf.data(), kf.data(), vf.data(), probs.typed_data(), dof.data(),
-                kv_start.typed_data(), kv_len.typed_data(), kv_mask.typed_data(), dqf.data(),
-                dkf.data(), dvf.data());
-  if (auto e = from_float32(dqf, *dq); e.failure()) return e;
-  if (auto e = from_float32(dkf, *dk); e.failure()) return e;
-  return from_float32(dvf, *dv);
+                kv_start.typed_data(), kv_len.typed_data(), kv_mask.typed_data(), g.dq.data(),
+                g.dk.data(), g.dv.data());
+  return g.store(*dq, *dk, *dv);
 }
 
 }  // namespace
