@@ -7,12 +7,24 @@ Everything is memory bound, so the figure of merit is bandwidth over the bytes t
   backward: Q, dO, K, V, probabilities read; dQ, dK, dV written.
 K/V bytes count the tokens that exist (for the ragged case: the sum of the lengths). The XLA
 baseline runs on the padded layout [B, 16, Hkv, D] with key_value_seq_lengths; its bandwidth is
-reported over the same bytes, so bandwidth ratios are speed ratios. The device copy is an
+reported over the same bytes, so bandwidth ratios are speed ratios. The device copy is the
 best of three copies of K's bytes (negate in K's dtype, uint32 jnp.copy, float32 x + 1),
-bytes read + written.
+bytes read + written, each timed right before and right after the jaxcp timings of the case (the
+ceiling is the best of the six).
+
+Memory: for the jitted forward and forward+backward, XLA's buffer assignment
+(`.lower().compile().memory_analysis()`: argument, output, temp bytes) and, on GPU, the
+allocator's peak during one call (`memory_stats()["peak_bytes_in_use"]`, which cannot be reset:
+before the call a ballast array lifts the bytes in use to the previous peak, so the rise of the
+peak is what the call itself allocates). Both are compared with the bytes of the inputs, outputs
+and saved probabilities ("need"; it also counts the int32 row index arrays start/length/mask,
+3 x 4 x B bytes):
+  forward : Q, K, V in; O out; probabilities float32 [B, Hq, Skv]
+  fwd+bwd : Q, K, V, dO in; O, dQ, dK, dV out; probabilities
+Pass when arguments + outputs + temps (and the measured peak) are no larger than need + 1 MiB.
 
 Targets (H100, bf16): forward >= 90% and backward >= 85% of the copy bandwidth; forward+backward
->= 1.15x XLA.
+>= 1.15x XLA; memory no larger than the inputs, outputs and saved probabilities.
 
   python benchmarks/bench_small_seq.py            # the full GPU case list
   python benchmarks/bench_small_seq.py --quick    # small batches, runs on the CPU too
@@ -24,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import math
 import os
 import statistics
@@ -40,6 +53,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
 from jaxcp._src import small_seq as ss  # noqa: E402
+from jaxcp._src.primitive_utils import choose_implementation  # noqa: E402
+
+MEMORY_SLACK = 1 << 20  # bytes of alignment/rounding allowed over "need"
 
 
 @dataclasses.dataclass
@@ -134,6 +150,76 @@ def device_copy(x, reps):
   return gbps, ms
 
 
+def compiled_memory(jitted, *args) -> dict | None:
+  """XLA's buffer assignment for one call of `jitted` (bytes): arguments, outputs, aliased, temps,
+  and total = arguments + outputs + temps - aliased."""
+  try:
+    m = jitted.lower(*args).compile().memory_analysis()
+  except Exception:  # a backend without memory analysis
+    return None
+  if m is None:
+    return None
+  r = dict(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
+           alias=int(m.alias_size_in_bytes), temp=int(m.temp_size_in_bytes))
+  r["total"] = r["argument"] + r["output"] + r["temp"] - r["alias"]
+  return r
+
+
+def measured_call_bytes(fn, *args, expected: int) -> int | None:
+  """Bytes one call of `fn` allocates on the device beyond what is live before it (its outputs
+  and temporaries), from the allocator's peak. None where the backend keeps no memory_stats (the
+  CPU) or where measuring would not fit.
+
+  peak_bytes_in_use cannot be reset, so a ballast array first lifts the bytes in use up to the
+  peak seen so far; any allocation of the call then raises the peak by exactly its size."""
+  dev = jax.devices()[0]
+  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+  if not stats or "peak_bytes_in_use" not in stats:
+    return None
+  jax.block_until_ready(fn(*args))  # compiled and warm: no autotuning allocation below
+  gc.collect()
+  stats = dev.memory_stats()
+  lift = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
+  limit = stats.get("bytes_limit") or 0
+  if limit and stats["peak_bytes_in_use"] + 2 * expected > 0.95 * limit:
+    return None
+  ballast = jnp.zeros((lift,), jnp.uint8) if lift > 0 else None
+  if ballast is not None:
+    ballast.block_until_ready()
+  stats = dev.memory_stats()
+  base, peak0 = stats["bytes_in_use"], stats["peak_bytes_in_use"]
+  out = fn(*args)
+  jax.block_until_ready(out)
+  peak = dev.memory_stats()["peak_bytes_in_use"]
+  del out, ballast
+  gc.collect()
+  if peak <= peak0 and base < peak0:  # the lift fell short: the call's peak is not visible
+    return None
+  return max(0, peak - base)
+
+
+def memory_report(fwd, fwdbwd, fwd_args, fb_args, *, in_fwd, in_fb, need_fwd, need_fb) -> dict:
+  """Compiled buffer sizes and (GPU) measured peaks of the forward and forward+backward calls
+  against need = inputs + outputs + saved probabilities (+ row index arrays)."""
+  r = dict(need_fwd_bytes=need_fwd, need_fwdbwd_bytes=need_fb)
+  for tag, fn, args, inputs, need in (("fwd", fwd, fwd_args, in_fwd, need_fwd),
+                                      ("fwdbwd", fwdbwd, fb_args, in_fb, need_fb)):
+    comp = compiled_memory(fn, *args)
+    r[f"{tag}_compiled"] = comp
+    r[f"{tag}_temp_over_need"] = None if comp is None else comp["temp"] / need
+    extra = measured_call_bytes(fn, *args, expected=need - inputs)
+    r[f"{tag}_peak_bytes"] = None if extra is None else inputs + extra
+    checks = []
+    if comp is not None:
+      checks.append(comp["total"] <= need + MEMORY_SLACK)
+    if extra is not None:
+      checks.append(inputs + extra <= need + MEMORY_SLACK)
+    r[f"{tag}_memory_ok"] = all(checks) if checks else None
+  flags = [r["fwd_memory_ok"], r["fwdbwd_memory_ok"]]
+  r["memory_ok"] = None if any(f is None for f in flags) else all(flags)
+  return r
+
+
 def _fwd_and_grads(fn, q, k, v, dout):
   out, pull = jax.vjp(fn, q, k, v)
   return (out,) + pull(dout)
@@ -151,6 +237,9 @@ def run_case(case: Case, dtype, reps: int, rng) -> dict:
   p_bytes = b * hq * s * 4
   fwd_bytes = q_bytes + kv_bytes + q_bytes + p_bytes               # Q, K, V in; O, P out
   bwd_bytes = 2 * q_bytes + kv_bytes + p_bytes + q_bytes + kv_bytes  # Q, dO, K, V, P in; dQ, dK, dV
+  idx_bytes = 3 * 4 * b + (4 * (b + 1) if ragged else 0)  # start, length, mask [, cu_seqlens]
+  need_fwd = q_bytes + kv_bytes + q_bytes + p_bytes + idx_bytes        # Q, K, V; O; P
+  need_fb = 2 * q_bytes + kv_bytes + 2 * q_bytes + kv_bytes + p_bytes + idx_bytes  # + dO; dQ dK dV
   res = dict(case=case.name, batch=b, seq_len=s, q_heads=hq, kv_heads=hkv, head_dim=d,
              dtype=jnp.dtype(dtype).name, layout="ragged" if ragged else "padded",
              kv_tokens=tokens, fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes)
@@ -161,10 +250,11 @@ def run_case(case: Case, dtype, reps: int, rng) -> dict:
       return ss.small_seq_attention(q, k, v, kv_cu_seqlens=cu)
     return ss.small_seq_attention(q, k, v)
 
-  impl = ss._choose_implementation(None, jnp.dtype(dtype), d)  # what implementation=None picks
+  impl = choose_implementation(None, jnp.dtype(dtype), d, ss._CUDA_HEAD_DIMS)  # what None picks
   res["jaxcp_implementation"] = impl
   fwd = jax.jit(jx)
   fwdbwd = jax.jit(functools.partial(_fwd_and_grads, jx))
+  copy_before, copy_before_ms = device_copy(k, reps)  # the ceiling, right before and after jaxcp
   t_fwd = bench(fwd, q, k, v, reps=reps)
   t_fb = bench(fwdbwd, q, k, v, dout, reps=reps)
   t_bwd = None
@@ -183,6 +273,14 @@ def run_case(case: Case, dtype, reps: int, rng) -> dict:
     del probs
   res.update(jaxcp_fwd_ms=t_fwd * 1e3, jaxcp_fwdbwd_ms=t_fb * 1e3,
              jaxcp_bwd_ms=None if t_bwd is None else t_bwd * 1e3)
+  copy_after, copy_after_ms = device_copy(k, reps)
+
+  # ---- memory: compiled buffers and measured peaks against inputs + outputs + probabilities
+  extra_in = 4 * (b + 1) if ragged else 0  # cu_seqlens is an argument of the ragged calls
+  res.update(memory_report(fwd, fwdbwd, (q, k, v), (q, k, v, dout),
+                           in_fwd=q_bytes + kv_bytes + extra_in,
+                           in_fb=2 * q_bytes + kv_bytes + extra_in,
+                           need_fwd=need_fwd, need_fb=need_fb))
 
   # ---- XLA: jax.nn.dot_product_attention on the padded layout with a padding mask
   kp, vp = (to_padded(k, lengths, s), to_padded(v, lengths, s)) if ragged else (k, v)
@@ -196,14 +294,18 @@ def run_case(case: Case, dtype, reps: int, rng) -> dict:
   xfb = jax.jit(functools.partial(_fwd_and_grads, xla))
   res["xla_fwd_ms"] = bench(xf, q, kp, vp, reps=reps) * 1e3
   res["xla_fwdbwd_ms"] = bench(xfb, q, kp, vp, dout, reps=reps) * 1e3
+  xla_mem = compiled_memory(xfb, q, kp, vp, dout)
+  res["xla_fwdbwd_temp_bytes"] = None if xla_mem is None else xla_mem["temp"]
   err = float(jnp.max(jnp.abs(fwd(q, k, v).astype(jnp.float32) - xf(q, kp, vp).astype(jnp.float32))))
   res["max_abs_diff_vs_xla"] = err
   del kp, vp
 
-  # ---- device copy of K's bytes (read + write), the best of three forms measured now
-  copy_gbps, copy_ms = device_copy(k, reps)
-  res.update(copy_ms=min(copy_ms.values()), copy_gbps=max(copy_gbps.values()),
-             copy_variants_gbps=copy_gbps)
+  # ---- device copy of K's bytes (read + write): the best of three forms, before and after
+  both = list(copy_before.values()) + list(copy_after.values())
+  res.update(copy_ms=min(list(copy_before_ms.values()) + list(copy_after_ms.values())),
+             copy_gbps=max(both), copy_before_gbps=max(copy_before.values()),
+             copy_after_gbps=max(copy_after.values()),
+             copy_variants_gbps=dict(before=copy_before, after=copy_after))
   copy_gbps = res["copy_gbps"]
 
   gbps = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9
@@ -219,10 +321,27 @@ def run_case(case: Case, dtype, reps: int, rng) -> dict:
   return res
 
 
+def _memory_cell(r) -> str:
+  """"pass"/"FAIL" and the largest of compiled total and measured peak over need, per call."""
+  def one(tag):
+    comp, peak, need = r.get(f"{tag}_compiled"), r.get(f"{tag}_peak_bytes"), r[f"need_{tag}_bytes"]
+    parts = []
+    if comp is not None:
+      parts.append(f"{comp['total'] / need:.3f}")
+    if peak is not None:
+      parts.append(f"peak {peak / need:.3f}")
+    return "/".join(parts) or "-"
+  ok = r.get("memory_ok")
+  verdict = "-" if ok is None else ("pass" if ok else "FAIL")
+  return f"{verdict} ({one('fwd')}; {one('fwdbwd')})"
+
+
 def markdown(results, meta) -> str:
   f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"
   header = ["case", "layout", "jaxcp fwd ms (GB/s, % copy)", "jaxcp bwd ms (GB/s, % copy)",
-            "jaxcp fwd+bwd ms", "XLA fwd ms", "XLA fwd+bwd ms", "fwd+bwd vs XLA", "copy GB/s"]
+            "jaxcp fwd+bwd ms", "XLA fwd ms", "XLA fwd+bwd ms", "fwd+bwd vs XLA", "copy GB/s",
+            "temp bytes / (inputs+outputs+probs) fwd; fwd+bwd",
+            "memory <= inputs+outputs+probs (fwd; fwd+bwd: total/need)"]
   rows = []
   for r in results:
     if "error" in r:
@@ -234,11 +353,18 @@ def markdown(results, meta) -> str:
         (f"{f(r['jaxcp_bwd_ms'], 3)} ({f(r['jaxcp_bwd_gbps'], 0)}, {f(r['bwd_pct_of_copy'], 0)}%)"
          if r["jaxcp_bwd_ms"] is not None else "-"),
         f(r["jaxcp_fwdbwd_ms"], 3), f(r["xla_fwd_ms"], 3), f(r["xla_fwdbwd_ms"], 3),
-        f"{f(r['fwdbwd_speedup_vs_xla'])}x", f(r["copy_gbps"], 0)])
+        f"{f(r['fwdbwd_speedup_vs_xla'])}x",
+        f"{f(r['copy_gbps'], 0)} ({f(r['copy_before_gbps'], 0)}/{f(r['copy_after_gbps'], 0)})",
+        f"{f(r['fwd_temp_over_need'], 3)}; {f(r['fwdbwd_temp_over_need'], 3)}",
+        _memory_cell(r)])
   title = (f"## Small-sequence attention ({meta['device']}, jax {meta['jax']}, {meta['dtype']})\n\n"
            "Bandwidth over the bytes that must move (fwd: Q, K, V, O, probabilities; bwd: Q, dO, "
-           "K, V, probabilities, dQ, dK, dV); copy = best of three copies of K's bytes in the same "
-           "run (negate, uint32 jnp.copy, float32 x + 1).\n\n")
+           "K, V, probabilities, dQ, dK, dV); copy = best of three copies of K's bytes timed "
+           "before and after the jaxcp timings of the case (in brackets: best before / after).\n"
+           "Memory: need = inputs + outputs + saved probabilities (+ int32 row index arrays); "
+           "temp = XLA's temp buffers of the jitted call; total = arguments + outputs + temps "
+           "(and, on GPU, 'peak' = inputs + the allocator's peak rise during one call); pass when "
+           "each is <= need + 1 MiB.\n\n")
   return title + common.markdown_table(header, rows)
 
 
