@@ -115,3 +115,13 @@ def test_default_implementation_picks_cuda():
   q, k, v, _ = _qkv(6, 1, 128, 128, 2, 2, 128, jnp.bfloat16)
   hlo = jax.jit(lambda q, k, v: jaxcp.attention(q, k, v, is_causal=True)).lower(q, k, v).as_text()
   assert "jaxcp_attention_fwd" in hlo
+
+
+@pytest.mark.parametrize("mask", ["causal", "window", "causal_chunk"])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_sm80_forward_kernel_on_hopper(mask, head_dim, monkeypatch):
+  """On an H100/H200 the forward runs the sm_90a kernel; the sm_80 kernel must stay correct too."""
+  monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
+  rng = np.random.default_rng(3)
+  seg = random_segments(rng, 2, 700, mean_doc=150)
+  _compare(*_qkv(3, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])

@@ -11,15 +11,7 @@ OUT="${OUT:-$PWD/gpu_results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${JAXCP_CUDA_ARCHS:-90a-real}" \
-  CMAKE_BUILD_PARALLEL_LEVEL=16 \
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
-  || { tail -50 "$OUT/build.log"; exit 1; }
-echo "build ok"
+bash tools/gpu_build.sh || exit 1
 rc=0
 if [[ "$what" == "tests" || "$what" == "all" ]]; then
   python3 -m pytest -q -m gpu tests/ -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25

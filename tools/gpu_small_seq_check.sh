@@ -14,15 +14,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 t0=$SECONDS
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
-  | tee "$OUT/gpu.txt"
-CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${JAXCP_CUDA_ARCHS:-90a-real}" \
-  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
-  || { tail -50 "$OUT/build.log"; exit 1; }
+bash tools/gpu_build.sh || exit 1
 echo "build ok ($((SECONDS - t0)) s)"
 
 rc=0

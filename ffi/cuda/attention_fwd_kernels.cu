@@ -3,32 +3,10 @@
 // the key tiles its tile plan does not skip; "full" tiles run without any per-element mask.
 #include <climits>
 
-#include "attention_device.cuh"
+#include "attention_fwd.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
-
-struct FwdParams {
-  const void* q;
-  const void* k;
-  const void* v;
-  const int32_t* q_seg;
-  const int32_t* q_pos;
-  const int32_t* kv_seg;
-  const int32_t* kv_pos;
-  void* out;
-  float* lse;
-  int64_t Sq, Skv;
-  int Hq, group;
-  int64_t q_row, kv_row;  // elements between consecutive tokens: Hq*D, Hkv*D
-  float scale_log2;
-  MaskParams mask;
-  const TileSummary* q_sum;   // [B, nq]
-  const TileSummary* kv_sum;  // [B, nkv]
-  const TileRange* q_range;   // [B, nq]
-  const int* order;           // [B * nq]: (b * nq + m) tiles, heaviest first
-  int nq, nkv;
-};
 
 template <class Element_, int kHeadDim, int kBlockM, int kBlockN, int kNWarps>
 struct FwdTraits {
@@ -352,7 +330,10 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
       s.q_heads % s.kv_heads != 0)
     return cudaErrorInvalidValue;
   if (s.batch == 0 || s.q_len == 0 || s.q_heads == 0) return cudaSuccess;
-  const int64_t nq = ceil_div64(s.q_len, kFwdBlockM), nkv = ceil_div64(s.kv_len, kFwdBlockN);
+  // The sm_90a kernel steps over wider key tiles; the workspace (sized for kFwdBlockN) fits both.
+  const bool sm90 = fwd_use_sm90(a);
+  const int block_n = sm90 ? detail::fwd_sm90_block_n(s.head_dim) : kFwdBlockN;
+  const int64_t nq = ceil_div64(s.q_len, kFwdBlockM), nkv = ceil_div64(s.kv_len, block_n);
   if (s.batch > 65535 || s.q_heads > 65535 || nq > INT_MAX || nkv > INT_MAX || s.q_len > INT_MAX ||
       s.kv_len > INT_MAX)
     return cudaErrorInvalidValue;
@@ -366,10 +347,10 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
 
   cudaError_t err;
   if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kFwdBlockM, q_sum, stream))) return err;
-  if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, kFwdBlockN, kv_sum, stream))) return err;
+  if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, block_n, kv_sum, stream))) return err;
   if ((err = launch_tile_ranges(q_sum, nq, kv_sum, nkv, s.batch, a.mask, /*rows_are_q=*/true, q_range, stream)))
     return err;
-  if ((err = launch_tile_schedule(q_range, s.batch * nq, order, stream))) return err;
+  if (!sm90 && (err = launch_tile_schedule(q_range, s.batch * nq, order, stream))) return err;
 
   detail::FwdParams p;
   p.q = q; p.k = k; p.v = v;
@@ -385,6 +366,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.q_sum = q_sum; p.kv_sum = kv_sum; p.q_range = q_range; p.order = order;
   p.nq = static_cast<int>(nq);
   p.nkv = static_cast<int>(nkv);
+  if (sm90) return launch_fwd_sm90(p, s.batch, dtype, s.head_dim, stream);
   return dtype == DType::kBF16 ? detail::dispatch_fwd<cutlass::bfloat16_t>(p, s.batch, s.head_dim, stream)
                                : detail::dispatch_fwd<cutlass::half_t>(p, s.batch, s.head_dim, stream);
 }

@@ -1,0 +1,45 @@
+// Parameters and launchers shared by the forward kernels (private to ffi/cuda/*.cu): the sm_80
+// kernel (attention_fwd_kernels.cu) and the sm_90a kernel (attention_fwd_sm90_kernels.cu) read
+// the same tile plan.
+#pragma once
+#include "attention_device.cuh"
+
+namespace jaxcp::cuda {
+namespace detail {
+
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const int32_t* q_seg;
+  const int32_t* q_pos;
+  const int32_t* kv_seg;
+  const int32_t* kv_pos;
+  void* out;
+  float* lse;
+  int64_t Sq, Skv;
+  int Hq, group;
+  int64_t q_row, kv_row;  // elements between consecutive tokens: Hq*D, Hkv*D
+  float scale_log2;
+  MaskParams mask;
+  const TileSummary* q_sum;   // [B, nq]: query tiles of kFwdBlockM
+  const TileSummary* kv_sum;  // [B, nkv]: key tiles of the kernel's block N
+  const TileRange* q_range;   // [B, nq]
+  const int* order;           // [B * nq]: (b * nq + m) tiles, heaviest first
+  int nq, nkv;
+};
+
+// Keys per step of the sm_90a kernel (its query tile is kFwdBlockM = 128).
+constexpr int fwd_sm90_block_n(int64_t d) { return d == 256 ? 64 : 128; }
+
+}  // namespace detail
+
+// True when the sm_90a forward kernel should run these arguments: the current device is sm_90,
+// this build carries the sm_90a image, and the shape is one where it beats the sm_80 kernel.
+// JAXCP_DISABLE_SM90=1 forces the sm_80 kernel.
+bool fwd_use_sm90(const AttentionArgs& args);
+
+cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d,
+                            cudaStream_t stream);
+
+}  // namespace jaxcp::cuda

@@ -1,0 +1,521 @@
+// Forward packed-document attention for Hopper (sm_90a), FlashAttention-3 style:
+// one producer warpgroup streams K/V tiles with TMA into a shared-memory ring guarded by
+// mbarriers (cutlass::PipelineTmaAsync); two consumer warpgroups own 64 query rows each and run
+// S = Q K^T and O += P V on wgmma, with the online softmax in registers (P never leaves them).
+// The tile plan (skip / full / partial per (query tile, key tile)) is the same as the sm_80
+// kernel's, so work follows the allowed area. Built only for sm_90a; elsewhere the body is empty
+// and the host never launches it (fwd_sm90_available).
+#include <climits>
+#include <cstdlib>
+
+#include "attention_fwd.cuh"
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAXCP_SM90_DEVICE 1
+#else
+#define JAXCP_SM90_DEVICE 0
+#endif
+
+namespace jaxcp::cuda {
+namespace detail {
+
+template <class Element_, int kHeadDim, int kBlockN, int kStages>
+struct FwdSm90Traits {
+  using Element = Element_;
+  static constexpr int kD = kHeadDim, kBM = 128, kBN = kBlockN, kNStages = kStages;
+  static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+  static constexpr int kConsumerThreads = 256;
+
+  using AtomLayout = Layout<Shape<_2, _1, _1>>;  // one 64-row wgmma slab per consumer warpgroup
+  using TiledMmaS = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kBN>, Int<kD>>>(), AtomLayout{}));
+  using TiledMmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kD>, Int<kBN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBM>, Int<kD>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBN>, Int<kD>, Int<kStages>>{}));
+  // V read as the (D, keys) B operand of P V: the same bytes, MN-major.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  // Global views (token, d, head, batch); TMA fills rows past the sequence end with zeros.
+  using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideG = cute::Stride<int64_t, _1, int64_t, int64_t>;
+  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeG{}, StrideG{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutQ{},
+                                     Shape<Int<kBM>, Int<kD>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutKV{}),
+                                      Shape<Int<kBN>, Int<kD>>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kTileBytes = kBN * kD * sizeof(Element);
+  static constexpr uint32_t kQBytes = kBM * kD * sizeof(Element);
+
+  // O gets its own buffer (so the next tile's Q loads during the epilogue) where it fits.
+  static constexpr bool kSeparateO = false;
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    cute::array_aligned<Element, kSeparateO ? cosize_v<SmemLayoutQ> : 8, 1024> o;
+    typename Pipeline::SharedStorage pipe_k, pipe_v;
+    alignas(8) uint64_t q_full;
+    alignas(8) uint64_t q_empty;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+};
+
+template <class KT>
+struct FwdSm90Params {
+  FwdParams p;
+  int batch, kv_heads;
+  typename KT::TmaQ tma_q;
+  typename KT::TmaKV tma_k, tma_v;
+};
+
+// wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)) = (rows, cols).
+template <class L>
+__forceinline__ __device__ auto acc_rowcol_sm90(L const& l) {
+  static_assert(decltype(rank<0>(l))::value == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// wgmma accumulator of S (64 x N per warpgroup) -> register A operand of the P V wgmma
+// ((2, 2, 2), MMA_M, N/16): two adjacent 8-column blocks form one k16 slice.
+template <class L>
+__forceinline__ __device__ auto acc_as_A_sm90(L const& l) {
+  static_assert(decltype(rank<0>(l))::value == 3);
+  auto n = logical_divide(get<0, 2>(l), Tile<_2>{});
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(n)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(n), get<2>(l))));
+}
+
+// Issues one warpgroup GEMM on the tensor cores (every k-slice) and commits it as one batch;
+// the caller waits with warpgroup_wait<N>() and then fences the accumulator.
+template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+__forceinline__ __device__ void wgmma_issue(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
+  constexpr bool kRegA = !cute::is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tA));
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tA); ++k) {
+    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// dst (16-bit registers) = src (float registers), same layout.
+template <class TD, class TS>
+__forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
+  using To = typename TD::value_type;
+  constexpr int n = decltype(size(src))::value;
+  cutlass::NumericArrayConverter<To, float, n> op;
+  *reinterpret_cast<cutlass::Array<To, n>*>(dst.data()) =
+      op(*reinterpret_cast<const cutlass::Array<float, n>*>(src.data()));
+}
+
+// One query tile of the persistent schedule. Tiles are numbered (kv head, row, query tile,
+// q head in group), query tiles last to first: CTAs that run together read the same K/V from L2
+// (a work-sorted order streamed K/V from DRAM), the heads of a GQA group are neighbours, and
+// the heavy tiles of causal rows start early.
+struct FwdTile {
+  int b, h, hk, m_block, q_rows;
+  int64_t q0;
+  TileRange range;
+  TileSummary qsum;
+  const TileSummary* kv_sum;
+};
+
+template <int BM>
+__forceinline__ __device__ FwdTile fwd_tile(const FwdParams& p, int batch, int t) {
+  FwdTile ti;
+  const int h_in_group = t % p.group;
+  t /= p.group;
+  ti.m_block = p.nq - 1 - t % p.nq;
+  t /= p.nq;
+  ti.b = t % batch;
+  ti.hk = t / batch;
+  ti.h = ti.hk * p.group + h_in_group;
+  ti.q0 = static_cast<int64_t>(ti.m_block) * BM;
+  ti.q_rows = static_cast<int>(p.Sq - ti.q0 < BM ? p.Sq - ti.q0 : BM);
+  const int64_t qt = static_cast<int64_t>(ti.b) * p.nq + ti.m_block;
+  ti.range = p.q_range[qt];
+  ti.qsum = p.q_sum[qt];
+  ti.kv_sum = p.kv_sum + static_cast<int64_t>(ti.b) * p.nkv;
+  return ti;
+}
+
+// First key tile at or after j that the plan does not skip (range.y: none); its class in c.
+template <int BN>
+__forceinline__ __device__ int fwd_next_tile(const FwdParams& p, TileSummary qsum, const TileSummary* kv_sum,
+                                             int end, int j, int& c) {
+  for (; j < end; ++j) {
+    c = tile_class(qsum, kv_sum[j], p.mask, static_cast<int64_t>(j + 1) * BN > p.Skv);
+    if (c != kSkip) break;
+  }
+  return j;
+}
+
+template <class KT>
+__global__ void __launch_bounds__(KT::kThreads, 1)
+    attention_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params<KT> P) {
+#if JAXCP_SM90_DEVICE
+  using Element = typename KT::Element;
+  constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD;
+  using SharedStorage = typename KT::SharedStorage;
+  using Pipeline = typename KT::Pipeline;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  extern __shared__ char smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const FwdParams& p = P.p;
+
+  const int warp_group = threadIdx.x / 128;
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = KT::kTileBytes;
+  pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = KT::kConsumerThreads;
+  Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) {
+    TxBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, KT::kConsumerThreads);
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
+
+  if (warp_group == 0) {
+    // ---------------- producer: one thread issues every TMA load ----------------
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    const int Sq = static_cast<int>(p.Sq), Skv = static_cast<int>(p.Skv);
+    Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, P.batch));
+    Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
+    Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
+    auto write = cutlass::make_producer_start_state<Pipeline>();
+    int q_count = 0;
+    {  // one query tile per CTA (a persistent loop spilled registers and ran slower)
+      const int t = blockIdx.x;
+      const FwdTile ti = fwd_tile<BM>(p, P.batch, t);
+      int c = kSkip;
+      int j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, ti.range.x, c);
+      if (j >= ti.range.y) return;  // the consumers write this tile's zeros
+      Tensor gQ = local_tile(mQ(_, _, ti.h, ti.b), Shape<Int<BM>, Int<D>>{}, make_coord(ti.m_block, _0{}));
+      auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      Tensor gK = local_tile(mK(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      Tensor gV = local_tile(mV(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+      auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      if (q_count > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (q_count - 1) & 1);
+      TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
+      copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
+      ++q_count;
+      for (; j < ti.range.y; j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, j + 1, c)) {
+        pipe_k.producer_acquire(write);
+        copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
+        pipe_v.producer_acquire(write);
+        copy(P.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, j), tVs(_, write.index()));
+        ++write;
+      }
+    }
+    return;
+  }
+
+  // ---------------- consumers: 2 warpgroups x 64 query rows ----------------
+  // Per key tile j: S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}, and the softmax
+  // of S_j runs while the P V product is still on the tensor cores. The two warpgroups take turns
+  // issuing (named barriers), so one's softmax overlaps the other's GEMMs.
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int tidx = threadIdx.x - 128, wg = tidx / 128, t_wg = tidx % 128;
+  typename KT::TiledMmaS mma_s;
+  typename KT::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tidx);
+  auto thr_o = mma_o.get_thread_slice(tidx);
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutVt{});
+  Tensor sO = make_tensor(make_smem_ptr(KT::kSeparateO ? ss.o.data() : ss.q.data()), typename KT::SmemLayoutQ{});
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<BM>, Int<D>>{});
+  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_sm90(acc_o.layout()));
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<BM>, Int<BN>>{});
+  Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol_sm90(acc_s.layout()));
+  Tensor rP = make_fragment_like<Element>(acc_s);
+  Tensor tOrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
+
+  Tensor cS = make_identity_tensor(Shape<Int<BM>, Int<BN>>{});
+  Tensor tScS = thr_s.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_sm90(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+
+  // Turn-taking between the two consumer warpgroups (named barriers 1 and 2; 3, 4: epilogue).
+  auto sched_wait = [&]() { cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1 + wg); };
+  auto sched_pass = [&]() { cutlass::arch::NamedBarrier::arrive(KT::kConsumerThreads, 2 - wg); };
+  if (wg == 1) sched_pass();  // warpgroup 0 goes first
+
+  typename Pipeline::PipelineState read_k, read_v;
+  int q_count = 0;
+  {  // one query tile per CTA (a persistent loop spilled registers and ran slower)
+      const int t = blockIdx.x;
+    const FwdTile ti = fwd_tile<BM>(p, P.batch, t);
+    Element* out_ptr = static_cast<Element*>(p.out) +
+                       (static_cast<int64_t>(ti.b) * p.Sq + ti.q0) * p.q_row + static_cast<int64_t>(ti.h) * D;
+    float* lse_ptr = p.lse + (static_cast<int64_t>(ti.b) * p.Hq + ti.h) * p.Sq + ti.q0;
+    int c = kSkip;
+    int j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, ti.range.x, c);
+    if (j >= ti.range.y) {  // no allowed key for any row of this tile: out 0, lse -inf
+      for (int idx = tidx; idx < ti.q_rows * (D / 8); idx += KT::kConsumerThreads) {
+        const int r = idx / (D / 8), col = (idx % (D / 8)) * 8;
+        *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = make_uint4(0, 0, 0, 0);
+      }
+      for (int r = tidx; r < ti.q_rows; r += KT::kConsumerThreads) lse_ptr[r] = -INFINITY;
+      return;
+    }
+    const int end = ti.range.y;
+    const TileSummary qsum = ti.qsum;
+    const TileSummary* kv_sum = ti.kv_sum;
+    // next tile after j with the summary of tile j + 1 loaded early (`pre`), off the critical path.
+    auto advance = [&](int jt, const TileSummary& pre, int& ct) {
+      if (++jt >= end) return jt;
+      ct = tile_class(qsum, pre, p.mask, static_cast<int64_t>(jt + 1) * BN > p.Skv);
+      return ct != kSkip ? jt : fwd_next_tile<BN>(p, qsum, kv_sum, end, jt + 1, ct);
+    };
+    auto prefetch = [&](int jt) { return kv_sum[jt + 1 < end ? jt + 1 : jt]; };
+
+    RowMask rm[kRows];
+    float row_max[kRows], row_sum[kRows], corr[kRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      const int r = get<0>(tScS_rc(mi, 0));
+      const bool valid = r < ti.q_rows;
+      const int64_t idx = static_cast<int64_t>(ti.b) * p.Sq + ti.q0 + (valid ? r : 0);
+      rm[mi] = make_row_mask(valid, p.q_seg[idx], p.q_pos[idx], p.mask);
+      row_max[mi] = -INFINITY;
+      row_sum[mi] = 0.f;
+    }
+    clear(acc_o);
+
+    // Scale, mask (partial tiles only) and the online softmax of S_j; corr[] rescales O.
+    auto softmax = [&](int jt, int ct) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= p.scale_log2;
+      if (ct == kPartial) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) {
+          const int64_t tok = static_cast<int64_t>(jt) * BN + get<1>(tScS_rc(0, ni));
+          const bool valid = tok < p.Skv;
+          const int64_t idx = static_cast<int64_t>(ti.b) * p.Skv + (valid ? tok : 0);
+          const ColMask cm = make_col_mask(valid, __ldg(p.kv_seg + idx), __ldg(p.kv_pos + idx), p.mask);
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi)
+            if (!allowed(rm[mi], cm)) s_rc(mi, ni) = -INFINITY;
+        }
+      }
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        float mx = row_max[mi];
+        CUTE_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) mx = fmaxf(mx, s_rc(mi, ni));
+        mx = quad_max(mx);
+        const float m_use = mx == -INFINITY ? 0.f : mx;  // all masked so far: exp2(-inf - 0) = 0
+        corr[mi] = exp2f(row_max[mi] - m_use);
+        row_max[mi] = mx;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) {
+          const float e = exp2f(s_rc(mi, ni) - m_use);
+          s_rc(mi, ni) = e;
+          sum += e;
+        }
+        row_sum[mi] = row_sum[mi] * corr[mi] + sum;
+      }
+    };
+    auto rescale_o = [&]() {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTE_UNROLL
+        for (int di = 0; di < size<1>(acc_o_rc); ++di) acc_o_rc(mi, di) *= corr[mi];
+      }
+    };
+
+    TxBarrier::wait(&ss.q_full, q_count & 1);
+    // First key tile: S only.
+    pipe_k.consumer_wait(read_k);
+    sched_wait();
+    wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+    sched_pass();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+    pipe_k.consumer_release(read_k);
+    ++read_k;
+    TileSummary pre = prefetch(j);
+    softmax(j, c);
+    convert_into(rP, acc_s);
+    j = advance(j, pre, c);
+    for (; j < end; j = advance(j, pre, c)) {
+      pre = prefetch(j);
+      pipe_k.consumer_wait(read_k);
+      sched_wait();
+      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+      rescale_o();
+      pipe_v.consumer_wait(read_v);
+      wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+      sched_pass();
+      warpgroup_wait<1>();  // S_j is ready; P V still running
+      warpgroup_fence_operand(acc_s);
+      pipe_k.consumer_release(read_k);
+      ++read_k;
+      softmax(j, c);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      warpgroup_fence_operand(rP);
+      pipe_v.consumer_release(read_v);
+      ++read_v;
+      convert_into(rP, acc_s);
+    }
+    // Last P V.
+    rescale_o();
+    pipe_v.consumer_wait(read_v);
+    wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
+    pipe_v.consumer_release(read_v);
+    ++read_v;
+    // Q is free for the next tile's load, unless O goes through its buffer.
+    if constexpr (KT::kSeparateO) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
+
+    // Epilogue: normalise, LSE (natural log), O through this warpgroup's rows of sO.
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      const float sum = quad_sum(row_sum[mi]);
+      const bool any = sum > 0.f;
+      const float inv = any ? 1.f / sum : 0.f;
+      const int r = get<0>(tScS_rc(mi, 0));
+      if (get<1>(tScS_rc(0, 0)) == 0 && r < ti.q_rows)
+        lse_ptr[r] = any ? (row_max[mi] + __log2f(sum)) * kLn2 : -INFINITY;
+      CUTE_UNROLL
+      for (int di = 0; di < size<1>(acc_o_rc); ++di) acc_o_rc(mi, di) *= inv;
+    }
+    Tensor rO = convert_type<Element>(acc_o);
+    auto smem_copy_o = make_tiled_copy_C(Copy_Atom<DefaultCopy, Element>{}, mma_o);
+    auto thr_copy_o = smem_copy_o.get_thread_slice(tidx);
+    if constexpr (KT::kSeparateO) cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // last tile's reads done
+    cute::copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
+    cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sO
+    for (int idx = t_wg; idx < 64 * (D / 8); idx += 128) {
+      const int r = wg * 64 + idx / (D / 8), col = (idx % (D / 8)) * 8;
+      if (r < ti.q_rows)
+        *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = *reinterpret_cast<const uint4*>(&sO(r, col));
+    }
+    if constexpr (!KT::kSeparateO) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
+    ++q_count;
+  }
+#endif
+}
+
+template <class KT>
+cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t stream) {
+  using Element = typename KT::Element;
+  constexpr int D = KT::kD;
+  const int hkv = p.Hq / p.group;
+  auto g = [&](const void* ptr, int64_t len, int heads) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_shape(static_cast<int32_t>(len), int32_t(D), static_cast<int32_t>(heads),
+                                  static_cast<int32_t>(batch)),
+                       make_stride(static_cast<int64_t>(heads) * D, _1{}, int64_t(D),
+                                   static_cast<int64_t>(heads) * D * len));
+  };
+  FwdSm90Params<KT> P;
+  P.p = p;
+  P.batch = static_cast<int>(batch);
+  P.kv_heads = hkv;
+  P.tma_q = make_tma_copy(SM90_TMA_LOAD{}, g(p.q, p.Sq, p.Hq), typename KT::SmemLayoutQ{},
+                          Shape<Int<KT::kBM>, Int<D>>{}, _1{});
+  P.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g(p.k, p.Skv, hkv), take<0, 2>(typename KT::SmemLayoutKV{}),
+                          Shape<Int<KT::kBN>, Int<D>>{}, _1{});
+  P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, g(p.v, p.Skv, hkv), take<0, 2>(typename KT::SmemLayoutKV{}),
+                          Shape<Int<KT::kBN>, Int<D>>{}, _1{});
+  auto kernel = attention_fwd_sm90_kernel<KT>;
+  static unsigned smem_done = 0;
+  cudaError_t err = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), KT::kSmemBytes, &smem_done);
+  if (err != cudaSuccess) return err;
+  const int64_t tiles = batch * p.nq * p.Hq;
+  if (tiles > INT_MAX) return cudaErrorInvalidValue;
+  kernel<<<static_cast<unsigned>(tiles), KT::kThreads, KT::kSmemBytes, stream>>>(P);
+  return cudaGetLastError();
+}
+
+template <class Element, int D>
+using FwdSm90TraitsFor = FwdSm90Traits<Element, D, fwd_sm90_block_n(D), 2>;
+
+// Head dim 64 stays on the sm_80 kernel (fwd_use_sm90).
+template <class Element>
+cudaError_t dispatch_fwd_sm90(const FwdParams& p, int64_t batch, int64_t d, cudaStream_t stream) {
+  switch (d) {
+    case 128: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 128>>(p, batch, stream);
+    case 256: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 256>>(p, batch, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace detail
+
+namespace {
+// Whether the current device is sm_90 and runs this build's sm_90a image (cached per device).
+bool device_runs_sm90a() {
+  static int cache[64] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  int* slot = dev >= 0 && dev < 64 ? &cache[dev] : nullptr;
+  if (slot != nullptr && __atomic_load_n(slot, __ATOMIC_ACQUIRE) != 0) return *slot == 1;
+  int major = 0;
+  bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major == 9;
+  if (ok) {
+    cudaFuncAttributes attr;
+    const void* k = reinterpret_cast<const void*>(
+        detail::attention_fwd_sm90_kernel<detail::FwdSm90TraitsFor<cutlass::bfloat16_t, 128>>);
+    ok = cudaFuncGetAttributes(&attr, k) == cudaSuccess && attr.binaryVersion == 90;
+    if (!ok) (void)cudaGetLastError();
+  }
+  if (slot != nullptr) __atomic_store_n(slot, ok ? 1 : 2, __ATOMIC_RELEASE);
+  return ok;
+}
+}  // namespace
+
+bool fwd_use_sm90(const AttentionArgs& a) {
+  const char* env = std::getenv("JAXCP_DISABLE_SM90");
+  if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
+  // Measured on H200 (benchmarks/README.md): the sm_80 kernel, with several CTAs per
+  // multiprocessor, is faster for head dim 64 and for short sliding windows, whose query tiles
+  // see only a few key tiles each.
+  if (a.shape.head_dim == 64) return false;
+  if (a.mask.window_left >= 0 && a.mask.window_left < 4096) return false;
+  return device_runs_sm90a();
+}
+
+cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? detail::dispatch_fwd_sm90<cutlass::bfloat16_t>(p, batch, d, stream)
+                               : detail::dispatch_fwd_sm90<cutlass::half_t>(p, batch, d, stream);
+}
+
+}  // namespace jaxcp::cuda

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Build jaxcp with the CUDA extension (sm_90a) in place on a GPU host; log to $OUT/build.log.
+# Offline hosts: put nvidia-cutlass (and any other missing wheel) in .whl/ first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_results}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${JAXCP_CUDA_ARCHS:-90a-real}" \
+  CMAKE_BUILD_PARALLEL_LEVEL=16 \
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+  || { tail -50 "$OUT/build.log"; exit 1; }
+echo "build ok"
