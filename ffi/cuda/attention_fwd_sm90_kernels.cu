@@ -507,8 +507,9 @@ bool fwd_use_sm90(const AttentionArgs& a) {
   if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
   // Measured on H200 (benchmarks/README.md): the sm_80 kernel, with several CTAs per
   // multiprocessor, is faster for head dim 64 and for short sliding windows, whose query tiles
-  // see only a few key tiles each.
-  if (a.shape.head_dim == 64) return false;
+  // see only a few key tiles each, and for chunked masks (its key masks are computed once per
+  // tile in shared memory; here every thread derives the chunk of each of its columns).
+  if (a.shape.head_dim == 64 || a.mask.chunk_size > 0) return false;
   if (a.mask.window_left >= 0 && a.mask.window_left < 4096) return false;
   return device_runs_sm90a();
 }

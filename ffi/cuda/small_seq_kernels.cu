@@ -1,40 +1,21 @@
 // CUDA small-sequence attention (see small_seq_kernels.h): memory bound, one pass over Q, K, V.
 //
-// Work unit ("task"): one (row b, key/value head g) pair; it reads the row's K and V tokens of
-// head g once and serves the G = Hq/Hkv query heads of the group from them.
-//
-// Why the kernel is built the way it is (everything here is about keeping bytes in flight):
-// - Persistent warps. Each warp walks the tasks w, w + W, w + 2W, ... (W = warps in the grid,
-//   sized to the resident warps), so there is no tail of partly-filled waves and no per-task
-//   launch/setup latency.
-// - A per-warp ring buffer in shared memory. Tasks are staged into it with 16-byte cp.async
-//   copies (one commit group per task), up to kMaxInFlight tasks ahead of the one being
-//   computed, packed by their actual length (a ragged row of 5 tokens takes 5 rows, not 16).
-//   While the warp computes task i, the copies of tasks i+1.. are in flight, so the loads of a
-//   warp never stop for its compute, and the in-flight bytes per SM are set by the ring size
-//   (the host picks warps per SM and ring rows for about 80 KB in flight per SM).
-// - Row metadata (start, length, mask) is loaded 32 tasks at a time, one task per lane, a
-//   window ahead, and broadcast with shuffles: no dependent global load before a task's copies.
-// - Masked tokens are zero-filled by the copy (src-size 0), so later phases need no mask test
-//   and never touch garbage.
-// - Compute amortises the bf16/f16 unpacking over the query heads of a group: the G query (and
-//   dO) rows are converted once per task into float32 shared memory; each K/V chunk is unpacked
-//   once and used for HB heads (HB = 4, 2 or 1, a compile-time head block dividing G).
-//   All arithmetic is float32:
-//   scores : lane = (d-split, token); dot products over the lane's chunks for HB heads, reduced
-//            with shuffles, softmax over the token lanes; probabilities written once.
-//   P @ V  : lane = (token split, 16-byte chunk of D); HB heads per pass; reduced over the split.
+// One warp per (row b, key/value head g). The warp stages the row's K and V tokens for head g,
+// the G = Hq/Hkv query rows of the group (and, in the backward, dO and the saved probabilities)
+// into its own slice of shared memory with 16-byte cp.async copies: every byte is read from
+// global memory exactly once, all of a task's loads are in flight together, and the K/V tile is
+// shared by all query heads of the GQA group. All math is float32 from shared memory:
+//   scores : lane = (d-split, head, token); partial dot products reduced with shuffles, then a
+//            softmax over the token lanes; probabilities written once (to global and smem).
+//   P @ V  : lane = (token-split, head, 16-byte chunk of D); reduced over the token split.
 //   dK, dV : lane = (token, chunk); sums over the G heads of the group, written once.
-// Shared-memory rows are padded by 16 bytes and float rows are stored as two halves
-// ([h][half][chunk][4]) so lanes reading the same chunk of different rows, or consecutive
-// chunks, hit different banks.
+// Shared-memory rows are padded by 16 bytes so lanes reading the same chunk of different rows
+// hit different banks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
-#include <vector>
 
 #include "small_seq_kernels.h"
 
@@ -43,11 +24,8 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kMaxLen = 16;
-constexpr int kMaxInFlight = 4;      // staged tasks per warp (cp.async groups), computing one included
-constexpr int kWarpsPerBlock = 2;    // blocks are small so the host can size warps per SM finely
-constexpr int kMaxWarpsPerSm = 16;
-constexpr int kMinBlocksPerSm = 8;   // launch bounds: <= 128 registers per thread
-constexpr size_t kTargetInFlightBytes = 80 * 1024;  // per SM
+constexpr int kMaxWarpsPerBlock = 8;
+constexpr size_t kDefaultSmemBytes = 48 * 1024;
 
 struct Params {
   const void* q;
@@ -65,9 +43,7 @@ struct Params {
   void* dv;
   int64_t batch, q_heads, kv_heads, tokens;
   int group, max_len;
-  int warp_smem;   // bytes of shared memory per warp
-  int ring_rows;   // rows of (D + 8) elements in the warp's ring
-  int work_offset; // byte offset of the float work area in the warp's slice
+  int warp_smem;  // bytes of shared memory per warp
   float scale;
 };
 
@@ -131,28 +107,16 @@ __device__ __forceinline__ void stg16(T* p, const uint4& u) {
 
 // ---------------------------------------------------------------- cp.async (sm_80+)
 
-// 16-byte copy; src_bytes = 0 zero-fills the destination without reading the source.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes = 16) {
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
-               "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most `newer` of this thread's most recent commit groups are pending.
-__device__ __forceinline__ void cp_async_wait_newer(int newer) {
-  static_assert(kMaxInFlight == 4, "update the cases below");
-  switch (newer) {
-    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
-  }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
 __device__ __forceinline__ int pow2_ceil(int x) {
@@ -161,352 +125,267 @@ __device__ __forceinline__ int pow2_ceil(int x) {
   return p;
 }
 
-__device__ __forceinline__ bool allowed(uint32_t mask, int j) { return (mask >> j) & 1u; }
-
-// ---------------------------------------------------------------- geometry
+// ---------------------------------------------------------------- per-warp task setup
 
 template <int D>
 struct Geometry {
-  static constexpr int kChunks = D / 8;                         // 16-byte chunks per row
-  static constexpr int kRow = D + 8;                            // padded smem row (elements)
+  static constexpr int kChunks = D / 8;                        // 16-byte chunks per row
+  static constexpr int kRow = D + 8;                           // padded smem row (elements)
   static constexpr int kChunkLanes = kChunks < 32 ? kChunks : 32;
   static constexpr int kChunksPerLane = kChunks / kChunkLanes;  // 2 for D = 512
-  static constexpr int kSplits = 32 / kChunkLanes;              // lanes sharing a chunk
 };
 
-// Float rows [h][D] are stored as [h][half][chunk][4]: chunk c's elements 0-3 at c * 4,
-// elements 4-7 at D / 2 + c * 4 (16-byte accesses of consecutive chunks are conflict-free).
-template <int D>
-__device__ __forceinline__ void load_f8(const float* rows, int h, int c, float* f) {
-  const float4 lo = *reinterpret_cast<const float4*>(rows + h * D + c * 4);
-  const float4 hi = *reinterpret_cast<const float4*>(rows + h * D + D / 2 + c * 4);
-  f[0] = lo.x; f[1] = lo.y; f[2] = lo.z; f[3] = lo.w;
-  f[4] = hi.x; f[5] = hi.y; f[6] = hi.z; f[7] = hi.w;
+struct Task {
+  int64_t b, start;
+  int g, len;
+  uint32_t mask;
+};
+
+__device__ __forceinline__ bool task_of(const Params& p, Task* t) {
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (w >= p.batch * p.kv_heads) return false;
+  t->b = w / p.kv_heads;
+  t->g = static_cast<int>(w - t->b * p.kv_heads);
+  t->start = min(max(static_cast<int64_t>(p.kv_start[t->b]), int64_t{0}), p.tokens);
+  const int len = min(max(p.kv_len[t->b], 0), p.max_len);
+  t->len = static_cast<int>(min(static_cast<int64_t>(len), p.tokens - t->start));
+  t->mask = static_cast<uint32_t>(p.kv_mask[t->b]);
+  return true;
 }
 
-// Converts `n_rows` padded 16-bit smem rows into float rows (layout above).
+__device__ __forceinline__ bool allowed(uint32_t mask, int j) { return (mask >> j) & 1u; }
+
+// Stages the allowed K/V tokens of the task and `n_rows` contiguous [D] rows of `rows_a`
+// (and of `rows_b` when given) into padded smem rows.
 template <typename T, int D>
-__device__ __forceinline__ void to_float_rows(const T* src, float* dst, int n_rows, int lane) {
+__device__ __forceinline__ void stage(const Params& p, const Task& t, int lane, T* Ks, T* Vs,
+                                      const T* rows_a, T* As, const T* rows_b, T* Bs,
+                                      int n_rows) {
   using Geo = Geometry<D>;
-  for (int i = lane; i < n_rows * Geo::kChunks; i += 32) {
-    const int r = i / Geo::kChunks, c = i % Geo::kChunks;
-    float f[8];
-    Cvt<T>::unpack(lds16(src + r * Geo::kRow + c * 8), f);
-    *reinterpret_cast<float4*>(dst + r * D + c * 4) = make_float4(f[0], f[1], f[2], f[3]);
-    *reinterpret_cast<float4*>(dst + r * D + D / 2 + c * 4) = make_float4(f[4], f[5], f[6], f[7]);
-  }
-}
-
-// ---------------------------------------------------------------- task metadata
-
-// Metadata of 32 consecutive tasks of a warp, one per lane (clamped as the header says).
-struct Window {
-  int64_t b, start, next;
-  int g, len, mask;
-};
-
-__device__ __forceinline__ Window load_window(const Params& p, int64_t wid, int64_t nwarps,
-                                              int64_t kbase, int lane, bool need_next) {
-  Window m{0, 0, 0, 0, 0, 0};
-  const int64_t task = wid + (kbase + lane) * nwarps;
-  if (task < p.batch * p.kv_heads) {
-    m.b = task / p.kv_heads;
-    m.g = static_cast<int>(task - m.b * p.kv_heads);
-    m.start = min(max(static_cast<int64_t>(p.kv_start[m.b]), int64_t{0}), p.tokens);
-    const int len = min(max(p.kv_len[m.b], 0), p.max_len);
-    m.len = static_cast<int>(min(static_cast<int64_t>(len), p.tokens - m.start));
-    m.mask = p.kv_mask[m.b];
-    if (need_next)
-      m.next = m.b + 1 < p.batch
-                   ? min(max(static_cast<int64_t>(p.kv_start[m.b + 1]), int64_t{0}), p.tokens)
-                   : p.tokens;
-  }
-  return m;
-}
-
-// The metadata of task `off` (0..63) of the two windows [cur | nxt], on every lane.
-__device__ __forceinline__ Window window_get(const Window& cur, const Window& nxt, int off) {
-  const bool c = off < 32;
-  const int src = off & 31;
-  Window m;
-  m.b = __shfl_sync(kFull, c ? cur.b : nxt.b, src);
-  m.start = __shfl_sync(kFull, c ? cur.start : nxt.start, src);
-  m.next = __shfl_sync(kFull, c ? cur.next : nxt.next, src);
-  m.g = __shfl_sync(kFull, c ? cur.g : nxt.g, src);
-  m.len = __shfl_sync(kFull, c ? cur.len : nxt.len, src);
-  m.mask = __shfl_sync(kFull, c ? cur.mask : nxt.mask, src);
-  return m;
-}
-
-// ---------------------------------------------------------------- staging
-
-// Rows of a task in the ring, from its first row: K [len], V [len], Q [G]; backward also
-// dO [G] and the saved probabilities (float [G * max_len], p_rows rows).
-template <typename T, int D, bool kBwd>
-__device__ __forceinline__ void stage_task(const Params& p, const Window& m, T* base, int lane) {
-  using Geo = Geometry<D>;
-  const int G = p.group;
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
-  const int64_t tok_stride = p.kv_heads * D;
-  const int64_t kv0 = (m.start * p.kv_heads + m.g) * D;
-  T* Ks = base;
-  T* Vs = Ks + m.len * Geo::kRow;
-  T* Qs = Vs + m.len * Geo::kRow;
-  const uint32_t mask = static_cast<uint32_t>(m.mask);
-  for (int i = lane; i < m.len * Geo::kChunks; i += 32) {
+  for (int i = lane; i < t.len * Geo::kChunks; i += 32) {
     const int j = i / Geo::kChunks, c = i % Geo::kChunks;
-    const int64_t off = kv0 + j * tok_stride + c * 8;
-    const int bytes = allowed(mask, j) ? 16 : 0;  // masked token: zeros
-    cp_async16(Ks + j * Geo::kRow + c * 8, k + off, bytes);
-    cp_async16(Vs + j * Geo::kRow + c * 8, v + off, bytes);
+    if (!allowed(t.mask, j)) continue;
+    const int64_t off = ((t.start + j) * p.kv_heads + t.g) * D + c * 8;
+    cp_async16(Ks + j * Geo::kRow + c * 8, k + off);
+    cp_async16(Vs + j * Geo::kRow + c * 8, v + off);
   }
-  const int64_t row0 = m.b * p.q_heads + static_cast<int64_t>(m.g) * G;
-  const T* q = static_cast<const T*>(p.q) + row0 * D;
-  for (int i = lane; i < G * Geo::kChunks; i += 32) {
+  for (int i = lane; i < n_rows * Geo::kChunks; i += 32) {
     const int r = i / Geo::kChunks, c = i % Geo::kChunks;
-    cp_async16(Qs + r * Geo::kRow + c * 8, q + static_cast<int64_t>(i) * 8);
+    cp_async16(As + r * Geo::kRow + c * 8, rows_a + static_cast<int64_t>(i) * 8);
+    if (rows_b != nullptr) cp_async16(Bs + r * Geo::kRow + c * 8, rows_b + static_cast<int64_t>(i) * 8);
   }
-  if constexpr (kBwd) {
-    T* DOs = Qs + G * Geo::kRow;
-    float* Ps = reinterpret_cast<float*>(DOs + G * Geo::kRow);
-    const T* dout = static_cast<const T*>(p.dout) + row0 * D;
-    for (int i = lane; i < G * Geo::kChunks; i += 32) {
-      const int r = i / Geo::kChunks, c = i % Geo::kChunks;
-      cp_async16(DOs + r * Geo::kRow + c * 8, dout + static_cast<int64_t>(i) * 8);
-    }
-    const float* probs = p.probs + row0 * p.max_len;
-    for (int i = lane; i < G * p.max_len; i += 32) cp_async4(Ps + i, probs + i);
-  }
-  cp_async_commit();
 }
 
-template <int D, bool kBwd>
-__device__ __forceinline__ int task_rows(int len, int group, int max_len) {
-  constexpr int row_bytes = (D + 8) * 2;
-  int rows = 2 * len + group;
-  if (kBwd) rows += group + (group * max_len * 4 + row_bytes - 1) / row_bytes;
-  return rows;
+// dot(a_row, b_row) over this lane's share of the chunks (chunk c = split + n * splits).
+template <typename T, int D>
+__device__ __forceinline__ float partial_dot(const T* a, const T* b, int split, int splits) {
+  float acc = 0.f;
+#pragma unroll 4
+  for (int c = split; c < Geometry<D>::kChunks; c += splits) {
+    float af[8], bf[8];
+    Cvt<T>::unpack(lds16(a + c * 8), af);
+    Cvt<T>::unpack(lds16(b + c * 8), bf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(af[e], bf[e], acc);
+  }
+  return acc;
 }
 
-// ---------------------------------------------------------------- compute phases
-
-// Lane layout of the score phase: lane = (d-split, token), token fastest.
+// Lane layout of the score phase: lane = (d-split, head, token), token fastest.
 struct ScoreLanes {
-  int tl, ds_count, j, ds;
-  __device__ ScoreLanes(int lane, int max_len) {
+  int tl, hpp, ds_count, j, hs, ds;
+  __device__ ScoreLanes(int lane, int max_len, int group) {
     tl = pow2_ceil(max(max_len, 1));
-    ds_count = 32 / tl;
+    hpp = min(pow2_ceil(group), 32 / tl);
+    ds_count = 32 / (tl * hpp);
     j = lane & (tl - 1);
-    ds = lane / tl;
+    hs = (lane / tl) & (hpp - 1);
+    ds = lane / (tl * hpp);
   }
 };
 
-// acc[hb] = dot(Af[h0 + hb], Bs[j]) over all of D, on every lane of token j (zero if !valid).
-template <typename T, int D, int HB>
-__device__ __forceinline__ void score_dots(const ScoreLanes& S, bool valid, const float* Af,
-                                           int h0, const T* Bs, float* acc) {
-  using Geo = Geometry<D>;
-#pragma unroll
-  for (int hb = 0; hb < HB; ++hb) acc[hb] = 0.f;
-  if (valid) {
-    const T* brow = Bs + S.j * Geo::kRow;
-#pragma unroll 2
-    for (int c = S.ds; c < Geo::kChunks; c += S.ds_count) {
-      float bf[8];
-      Cvt<T>::unpack(lds16(brow + c * 8), bf);
-#pragma unroll
-      for (int hb = 0; hb < HB; ++hb) {
-        float af[8];
-        load_f8<D>(Af, h0 + hb, c, af);
-        float t0 = af[0] * bf[0], t1 = af[1] * bf[1];
-#pragma unroll
-        for (int e = 2; e < 8; e += 2) {
-          t0 = fmaf(af[e], bf[e], t0);
-          t1 = fmaf(af[e + 1], bf[e + 1], t1);
-        }
-        acc[hb] += t0 + t1;
-      }
-    }
+// Lane layout of the "sum over tokens of weight * row" phases: lane = (token split, head, chunk).
+template <int D>
+struct RowLanes {
+  int hpv, ts_count, c0, hv, ts;
+  __device__ RowLanes(int lane, int group) {
+    constexpr int cl = Geometry<D>::kChunkLanes;
+    hpv = min(pow2_ceil(group), 32 / cl);
+    ts_count = 32 / (cl * hpv);
+    c0 = lane % cl;
+    hv = (lane / cl) & (hpv - 1);
+    ts = lane / (cl * hpv);
   }
-  for (int o = S.tl; o < 32; o <<= 1)
-#pragma unroll
-    for (int hb = 0; hb < HB; ++hb) acc[hb] += __shfl_xor_sync(kFull, acc[hb], o);
-}
+};
 
-// dst[h] = scale * sum_{j < len} W[h][j] * Rs[j] for the G heads ([G, D] rows in global memory).
-// Rows of masked tokens are zero in smem and their weights are zero.
-template <typename T, int D, int HB>
-__device__ __forceinline__ void weighted_rows(int lane, int G, int max_len, int len,
+// out_h = scale * sum_j w[h][j] * rows[j] for the group's heads, written to dst [G, D] rows.
+template <typename T, int D>
+__device__ __forceinline__ void weighted_rows(const Task& t, int lane, int group, int max_len,
                                               const float* W, const T* Rs, T* dst, float scale) {
   using Geo = Geometry<D>;
-  constexpr int CL = Geo::kChunkLanes, CPL = Geo::kChunksPerLane, TS = Geo::kSplits;
-  const int c0 = lane % CL, ts = lane / CL;
-  for (int h0 = 0; h0 < G; h0 += HB) {
-    float acc[HB][CPL][8];
+  const RowLanes<D> L(lane, group);
+  for (int h0 = 0; h0 < group; h0 += L.hpv) {
+    const int h = h0 + L.hv;
+    float acc[Geo::kChunksPerLane][8];
 #pragma unroll
-    for (int hb = 0; hb < HB; ++hb)
+    for (int cc = 0; cc < Geo::kChunksPerLane; ++cc)
 #pragma unroll
-      for (int cc = 0; cc < CPL; ++cc)
+      for (int e = 0; e < 8; ++e) acc[cc][e] = 0.f;
+    if (h < group) {
+      for (int j = L.ts; j < t.len; j += L.ts_count) {
+        if (!allowed(t.mask, j)) continue;
+        const float w = W[h * max_len + j];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[hb][cc][e] = 0.f;
-#pragma unroll 2
-    for (int j = ts; j < len; j += TS) {
-      float w[HB];
+        for (int cc = 0; cc < Geo::kChunksPerLane; ++cc) {
+          float f[8];
+          Cvt<T>::unpack(lds16(Rs + j * Geo::kRow + (L.c0 + cc * Geo::kChunkLanes) * 8), f);
 #pragma unroll
-      for (int hb = 0; hb < HB; ++hb) w[hb] = W[(h0 + hb) * max_len + j];
-#pragma unroll
-      for (int cc = 0; cc < CPL; ++cc) {
-        float f[8];
-        Cvt<T>::unpack(lds16(Rs + j * Geo::kRow + (c0 + cc * CL) * 8), f);
-#pragma unroll
-        for (int hb = 0; hb < HB; ++hb)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[hb][cc][e] = fmaf(w[hb], f[e], acc[hb][cc][e]);
+          for (int e = 0; e < 8; ++e) acc[cc][e] = fmaf(w, f[e], acc[cc][e]);
+        }
       }
     }
+    for (int o = Geo::kChunkLanes * L.hpv; o < 32; o <<= 1)
 #pragma unroll
-    for (int o = CL; o < 32; o <<= 1)
+      for (int cc = 0; cc < Geo::kChunksPerLane; ++cc)
 #pragma unroll
-      for (int hb = 0; hb < HB; ++hb)
+        for (int e = 0; e < 8; ++e) acc[cc][e] += __shfl_xor_sync(kFull, acc[cc][e], o);
+    if (L.ts == 0 && h < group) {
 #pragma unroll
-        for (int cc = 0; cc < CPL; ++cc)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[hb][cc][e] += __shfl_xor_sync(kFull, acc[hb][cc][e], o);
-    if (ts == 0) {
-#pragma unroll
-      for (int hb = 0; hb < HB; ++hb)
-#pragma unroll
-        for (int cc = 0; cc < CPL; ++cc)
-          stg16(dst + static_cast<int64_t>(h0 + hb) * D + (c0 + cc * CL) * 8,
-                pack8<T>(acc[hb][cc], scale));
+      for (int cc = 0; cc < Geo::kChunksPerLane; ++cc)
+        stg16(dst + static_cast<int64_t>(h) * D + (L.c0 + cc * Geo::kChunkLanes) * 8,
+              pack8<T>(acc[cc], scale));
     }
   }
 }
 
-template <typename T, int D, int HB>
-__device__ __forceinline__ void fwd_task(const Params& p, const Window& m, const T* base,
-                                         float* work, int lane) {
-  using Geo = Geometry<D>;
-  const int G = p.group, ML = p.max_len;
-  const T* Ks = base;
-  const T* Vs = Ks + m.len * Geo::kRow;
-  const T* Qs = Vs + m.len * Geo::kRow;
-  float* QF = work;               // [G][D] float
-  float* Ps = work + G * D;       // [G][ML]
-  const int64_t row0 = m.b * p.q_heads + static_cast<int64_t>(m.g) * G;
+// ---------------------------------------------------------------- forward
 
-  to_float_rows<T, D>(Qs, QF, G, lane);
+template <typename T, int D>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
+    small_seq_fwd_kernel(const Params p) {
+  using Geo = Geometry<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Task t;
+  if (!task_of(p, &t)) return;
+  const int lane = threadIdx.x & 31;
+  const int G = p.group, ML = p.max_len;
+  T* Ks = reinterpret_cast<T*>(smem + (threadIdx.x >> 5) * p.warp_smem);
+  T* Vs = Ks + ML * Geo::kRow;
+  T* Qs = Vs + ML * Geo::kRow;
+  float* Ps = reinterpret_cast<float*>(Qs + G * Geo::kRow);
+  const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;  // first q head of group
+
+  stage<T, D>(p, t, lane, Ks, Vs, static_cast<const T*>(p.q) + row0 * D, Qs, nullptr, nullptr, G);
+  cp_async_wait_all();
   __syncwarp();
 
   // Scores and softmax: probabilities to smem and (once) to global memory.
-  const ScoreLanes S(lane, ML);
-  const bool valid = S.j < m.len && allowed(static_cast<uint32_t>(m.mask), S.j);
+  const ScoreLanes S(lane, ML, G);
   const float scale_log2 = p.scale * 1.4426950408889634f;
-  for (int h0 = 0; h0 < G; h0 += HB) {
-    float acc[HB];
-    score_dots<T, D, HB>(S, valid, QF, h0, Ks, acc);
-#pragma unroll
-    for (int hb = 0; hb < HB; ++hb) {
-      const float s = valid ? acc[hb] * scale_log2 : -INFINITY;
-      float mx = s;
-      for (int o = 1; o < S.tl; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
-      const float e = valid ? exp2f(s - mx) : 0.f;
-      float l = e;
-      for (int o = 1; o < S.tl; o <<= 1) l += __shfl_xor_sync(kFull, l, o);
-      const float prob = l > 0.f ? e / l : 0.f;
-      if (S.ds == 0 && S.j < ML) {
-        const int h = h0 + hb;
-        Ps[h * ML + S.j] = prob;
-        p.probs_out[(row0 + h) * ML + S.j] = prob;
-      }
+  for (int h0 = 0; h0 < G; h0 += S.hpp) {
+    const int h = h0 + S.hs;
+    const bool valid = h < G && S.j < t.len && allowed(t.mask, S.j);
+    float acc = 0.f;
+    if (valid) acc = partial_dot<T, D>(Qs + h * Geo::kRow, Ks + S.j * Geo::kRow, S.ds, S.ds_count);
+    for (int o = S.tl * S.hpp; o < 32; o <<= 1) acc += __shfl_xor_sync(kFull, acc, o);
+    const float s = valid ? acc * scale_log2 : -INFINITY;
+    float m = s;
+    for (int o = 1; o < S.tl; o <<= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, o));
+    const float e = valid ? exp2f(s - m) : 0.f;
+    float l = e;
+    for (int o = 1; o < S.tl; o <<= 1) l += __shfl_xor_sync(kFull, l, o);
+    const float prob = l > 0.f ? e / l : 0.f;
+    if (S.ds == 0 && h < G && S.j < ML) {
+      Ps[h * ML + S.j] = prob;
+      p.probs_out[(row0 + h) * ML + S.j] = prob;
     }
   }
   __syncwarp();
 
-  weighted_rows<T, D, HB>(lane, G, ML, m.len, Ps, Vs, static_cast<T*>(p.out) + row0 * D, 1.f);
+  weighted_rows<T, D>(t, lane, G, ML, Ps, Vs, static_cast<T*>(p.out) + row0 * D, 1.f);
 }
 
-template <typename T, int D, int HB>
-__device__ __forceinline__ void bwd_task(const Params& p, const Window& m, T* base, float* work,
-                                         int lane) {
-  using Geo = Geometry<D>;
-  const int G = p.group, ML = p.max_len;
-  const T* Ks = base;
-  const T* Vs = Ks + m.len * Geo::kRow;
-  const T* Qs = Vs + m.len * Geo::kRow;
-  const T* DOs = Qs + G * Geo::kRow;
-  float* Ps = reinterpret_cast<float*>(base + (2 * m.len + 2 * G) * Geo::kRow);  // staged, in place
-  float* QF = work;            // [G][D] float
-  float* OF = QF + G * D;      // [G][D] float
-  float* DSs = OF + G * D;     // [G][ML]
-  const int64_t row0 = m.b * p.q_heads + static_cast<int64_t>(m.g) * G;
+// ---------------------------------------------------------------- backward
 
-  to_float_rows<T, D>(Qs, QF, G, lane);
-  to_float_rows<T, D>(DOs, OF, G, lane);
+template <typename T, int D>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
+    small_seq_bwd_kernel(const Params p) {
+  using Geo = Geometry<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Task t;
+  if (!task_of(p, &t)) return;
+  const int lane = threadIdx.x & 31;
+  const int G = p.group, ML = p.max_len;
+  T* Ks = reinterpret_cast<T*>(smem + (threadIdx.x >> 5) * p.warp_smem);
+  T* Vs = Ks + ML * Geo::kRow;
+  T* Qs = Vs + ML * Geo::kRow;
+  T* DOs = Qs + G * Geo::kRow;
+  float* Ps = reinterpret_cast<float*>(DOs + G * Geo::kRow);
+  float* DSs = Ps + ((G * ML + 3) & ~3);
+  const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
+
+  stage<T, D>(p, t, lane, Ks, Vs, static_cast<const T*>(p.q) + row0 * D, Qs,
+              static_cast<const T*>(p.dout) + row0 * D, DOs, G);
+  for (int i = lane; i < G * ML; i += 32) cp_async4(Ps + i, p.probs + row0 * ML + i);
+  cp_async_wait_all();
   __syncwarp();
 
   // dp = dO . V, delta = sum_j p dp, ds = p (dp - delta).
-  const ScoreLanes S(lane, ML);
-  const bool valid = S.j < m.len && allowed(static_cast<uint32_t>(m.mask), S.j);
-  for (int h0 = 0; h0 < G; h0 += HB) {
-    float dp[HB];
-    score_dots<T, D, HB>(S, valid, OF, h0, Vs, dp);
-    float pj[HB], dsv[HB];
-#pragma unroll
-    for (int hb = 0; hb < HB; ++hb) {
-      pj[hb] = valid ? Ps[(h0 + hb) * ML + S.j] : 0.f;
-      float delta = pj[hb] * dp[hb];
-      for (int o = 1; o < S.tl; o <<= 1) delta += __shfl_xor_sync(kFull, delta, o);
-      dsv[hb] = valid ? pj[hb] * (dp[hb] - delta) : 0.f;
-    }
+  const ScoreLanes S(lane, ML, G);
+  for (int h0 = 0; h0 < G; h0 += S.hpp) {
+    const int h = h0 + S.hs;
+    const bool valid = h < G && S.j < t.len && allowed(t.mask, S.j);
+    float dp = 0.f;
+    if (valid) dp = partial_dot<T, D>(DOs + h * Geo::kRow, Vs + S.j * Geo::kRow, S.ds, S.ds_count);
+    for (int o = S.tl * S.hpp; o < 32; o <<= 1) dp += __shfl_xor_sync(kFull, dp, o);
+    const float pj = valid ? Ps[h * ML + S.j] : 0.f;
+    float delta = pj * dp;
+    for (int o = 1; o < S.tl; o <<= 1) delta += __shfl_xor_sync(kFull, delta, o);
     __syncwarp();  // every lane has read Ps before it is rewritten
-    if (S.ds == 0 && S.j < ML) {
-#pragma unroll
-      for (int hb = 0; hb < HB; ++hb) {
-        Ps[(h0 + hb) * ML + S.j] = pj[hb];  // 0 outside the row: later phases need no mask test
-        DSs[(h0 + hb) * ML + S.j] = dsv[hb];
-      }
+    if (S.ds == 0 && h < G && S.j < ML) {
+      Ps[h * ML + S.j] = pj;  // 0 outside the row: later phases need no mask test
+      DSs[h * ML + S.j] = valid ? pj * (dp - delta) : 0.f;
     }
   }
   __syncwarp();
 
   // dq_h = scale * sum_j ds_hj k_j.
-  weighted_rows<T, D, HB>(lane, G, ML, m.len, DSs, Ks, static_cast<T*>(p.dq) + row0 * D,
-                          p.scale);
+  weighted_rows<T, D>(t, lane, G, ML, DSs, Ks, static_cast<T*>(p.dq) + row0 * D, p.scale);
 
   // dk_j = scale * sum_h ds_hj q_h, dv_j = sum_h p_hj dO_h: lane = (token, chunk).
   T* dk = static_cast<T*>(p.dk);
   T* dv = static_cast<T*>(p.dv);
-  constexpr int CL = Geo::kChunkLanes, CPL = Geo::kChunksPerLane, TJ = Geo::kSplits;
-  const int c0 = lane % CL, tj = lane / CL;
-  const int64_t tok_stride = p.kv_heads * D;
-  const int64_t kv0 = (m.start * p.kv_heads + m.g) * D;
-  for (int j = tj; j < m.len; j += TJ) {
-    float ak[CPL][8], av[CPL][8];
+  constexpr int cl = Geo::kChunkLanes, tj_count = 32 / cl;
+  const int c0 = lane % cl, tj = lane / cl;
+  for (int j0 = 0; j0 < t.len; j0 += tj_count) {
+    const int j = j0 + tj;
+    if (j >= t.len) continue;
+    float ak[Geo::kChunksPerLane][8], av[Geo::kChunksPerLane][8];
 #pragma unroll
-    for (int cc = 0; cc < CPL; ++cc)
+    for (int cc = 0; cc < Geo::kChunksPerLane; ++cc)
 #pragma unroll
       for (int e = 0; e < 8; ++e) ak[cc][e] = av[cc][e] = 0.f;
-#pragma unroll 2
     for (int h = 0; h < G; ++h) {
-      const float ds = DSs[h * ML + j], pv = Ps[h * ML + j];
+      const float ds = DSs[h * ML + j], pj = Ps[h * ML + j];
 #pragma unroll
-      for (int cc = 0; cc < CPL; ++cc) {
+      for (int cc = 0; cc < Geo::kChunksPerLane; ++cc) {
+        const int c = (c0 + cc * cl) * 8;
         float qf[8], of[8];
-        load_f8<D>(QF, h, c0 + cc * CL, qf);
-        load_f8<D>(OF, h, c0 + cc * CL, of);
+        Cvt<T>::unpack(lds16(Qs + h * Geo::kRow + c), qf);
+        Cvt<T>::unpack(lds16(DOs + h * Geo::kRow + c), of);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           ak[cc][e] = fmaf(ds, qf[e], ak[cc][e]);
-          av[cc][e] = fmaf(pv, of[e], av[cc][e]);
+          av[cc][e] = fmaf(pj, of[e], av[cc][e]);
         }
       }
     }
-    const int64_t off = kv0 + j * tok_stride;
+    const int64_t off = ((t.start + j) * p.kv_heads + t.g) * D;
 #pragma unroll
-    for (int cc = 0; cc < CPL; ++cc) {
-      const int c = (c0 + cc * CL) * 8;
+    for (int cc = 0; cc < Geo::kChunksPerLane; ++cc) {
+      const int c = (c0 + cc * cl) * 8;
       stg16(dk + off + c, pack8<T>(ak[cc], p.scale));
       stg16(dv + off + c, pack8<T>(av[cc], 1.f));
     }
@@ -514,206 +393,36 @@ __device__ __forceinline__ void bwd_task(const Params& p, const Window& m, T* ba
 
   // Zero the dk/dv tokens no row covers: from the end of this row to the next row's start
   // (the end of the buffer for the last row), and before the first row.
+  const int64_t next =
+      t.b + 1 < p.batch
+          ? min(max(static_cast<int64_t>(p.kv_start[t.b + 1]), int64_t{0}), p.tokens)
+          : p.tokens;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   auto zero_tokens = [&](int64_t lo, int64_t hi) {
     for (int64_t i = lane; i < (hi - lo) * Geo::kChunks; i += 32) {
       const int64_t tok = lo + i / Geo::kChunks;
       const int c = static_cast<int>(i % Geo::kChunks);
-      const int64_t off = (tok * p.kv_heads + m.g) * D + c * 8;
+      const int64_t off = (tok * p.kv_heads + t.g) * D + c * 8;
       stg16(dk + off, zero);
       stg16(dv + off, zero);
     }
   };
-  if (m.next > m.start + m.len) zero_tokens(m.start + m.len, m.next);
-  if (m.b == 0 && m.start > 0) zero_tokens(0, m.start);
-}
-
-// ---------------------------------------------------------------- the persistent kernel
-
-template <typename T, int D, int HB, bool kBwd>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, kMinBlocksPerSm)
-    small_seq_kernel(const Params p) {
-  using Geo = Geometry<D>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int warps_per_block = blockDim.x >> 5;
-  const int64_t wid = static_cast<int64_t>(blockIdx.x) * warps_per_block + warp;
-  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * warps_per_block;
-  const int64_t total = p.batch * p.kv_heads;
-  if (wid >= total) return;
-  const int n_tasks = static_cast<int>((total - wid + nwarps - 1) / nwarps);
-
-  unsigned char* slice = smem + static_cast<size_t>(warp) * p.warp_smem;
-  T* ring = reinterpret_cast<T*>(slice);
-  float* work = reinterpret_cast<float*>(slice + p.work_offset);
-  const int R = p.ring_rows;
-
-  Window cur = load_window(p, wid, nwarps, 0, lane, kBwd);
-  Window nxt = load_window(p, wid, nwarps, 32, lane, kBwd);
-  int kw0 = 0;  // task index of cur's lane 0
-
-  // Ring state (identical on every lane): rows [head - used, head) modulo R are live.
-  int head = 0, used = 0, issued = 0;
-  int slot_pos = 0, slot_cost = 0;  // lane (task & 31) holds the ring position and cost of task
-
-  for (int done = 0; done < n_tasks; ++done) {
-    // Stage tasks ahead while the ring has room (at least the next task: the ring is empty
-    // then, and the host sized it for the largest task).
-    while (issued < n_tasks && issued - done < kMaxInFlight) {
-      const Window m = window_get(cur, nxt, issued - kw0);
-      const int n = task_rows<D, kBwd>(m.len, p.group, p.max_len);
-      int pos = used == 0 ? 0 : head, waste = 0;
-      if (pos + n > R) {
-        waste = R - pos;
-        pos = 0;
-      }
-      if (used + waste + n > R) break;
-      stage_task<T, D, kBwd>(p, m, ring + pos * Geo::kRow, lane);
-      if (lane == (issued & 31)) {
-        slot_pos = pos;
-        slot_cost = waste + n;
-      }
-      head = pos + n;
-      used += waste + n;
-      ++issued;
-    }
-    cp_async_wait_newer(issued - done - 1);
-    __syncwarp();
-
-    const Window m = window_get(cur, nxt, done - kw0);
-    const int pos = __shfl_sync(kFull, slot_pos, done & 31);
-    const int cost = __shfl_sync(kFull, slot_cost, done & 31);
-    if constexpr (kBwd)
-      bwd_task<T, D, HB>(p, m, ring + pos * Geo::kRow, work, lane);
-    else
-      fwd_task<T, D, HB>(p, m, ring + pos * Geo::kRow, work, lane);
-    __syncwarp();  // every lane is done with the task's rows and the work area
-    used -= cost;
-
-    if (done + 1 - kw0 == 32) {
-      cur = nxt;
-      kw0 += 32;
-      nxt = load_window(p, wid, nwarps, kw0 + 32, lane, kBwd);
-    }
-  }
+  if (next > t.start + t.len) zero_tokens(t.start + t.len, next);
+  if (t.b == 0 && t.start > 0) zero_tokens(0, t.start);
 }
 
 // ---------------------------------------------------------------- host side
 
 size_t round16(size_t x) { return (x + 15) & ~size_t{15}; }
 
-struct Plan {
-  int warps_per_block = 0, warp_smem = 0, ring_rows = 0, work_offset = 0;
-};
-
-struct DeviceInfo {
-  int sms = 0, smem_per_sm = 0, smem_optin = 0, smem_reserved = 0;
-};
-
-cudaError_t device_info(DeviceInfo* info) {
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  static std::mutex mu;
-  static std::vector<std::pair<int, DeviceInfo>> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  for (const auto& [d, i] : cache)
-    if (d == device) {
-      *info = i;
-      return cudaSuccess;
-    }
-  DeviceInfo i;
-  cudaError_t e = cudaDeviceGetAttribute(&i.sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&i.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&i.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&i.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
-  if (e != cudaSuccess) return e;
-  cache.emplace_back(device, i);
-  *info = i;
-  return cudaSuccess;
-}
-
-// Warps per SM and ring rows per warp: the most warps (<= 16) whose rings keep about
-// kTargetInFlightBytes per SM in flight (tasks of the mean length staged ahead of the one being
-// computed); if none does, the most in-flight bytes; the ring must hold the largest task.
-bool make_plan(const SmallSeqArgs& a, bool backward, const DeviceInfo& dev, Plan* plan,
-               int* blocks_per_sm) {
-  const int64_t d = a.head_dim, g = a.q_heads / a.kv_heads, ml = a.max_len;
-  const int64_t row_bytes = (d + 8) * 2;
-  const int64_t p_rows = backward ? (g * ml * 4 + row_bytes - 1) / row_bytes : 0;
-  const int64_t fixed_rows = g * (backward ? 2 : 1) + p_rows;
-  const int64_t max_rows = 2 * ml + fixed_rows;
-  const int64_t work = round16(g * d * 4) * (backward ? 2 : 1) + round16(g * ml * 4);
-  const double mean_len =
-      a.batch > 0 ? std::min<double>(ml, static_cast<double>(a.tokens) / a.batch) : ml;
-  const double mean_rows = std::max(1.0, 2 * mean_len + fixed_rows);
-  const double mean_bytes = (2 * mean_len + g * (backward ? 2 : 1)) * d * 2 +
-                            (backward ? g * ml * 4 : 0);
-  // Candidates from the most warps per SM down (two-warp blocks first at equal counts).
-  double best_bytes = -1;
-  for (int warps = kMaxWarpsPerSm; warps >= 1; --warps) {
-    for (int wpb : {kWarpsPerBlock, 1}) {
-      if (warps % wpb) continue;
-      const int bps = warps / wpb;
-      const int64_t block =
-          std::min<int64_t>(dev.smem_optin, dev.smem_per_sm / bps - dev.smem_reserved) &
-          ~int64_t{127};
-      const int64_t per_warp = (block / wpb) & ~int64_t{15};
-      if (per_warp <= work) continue;
-      const int64_t rows = (per_warp - work) / row_bytes;
-      if (rows < max_rows) continue;
-      const int64_t fit = std::min<int64_t>(kMaxInFlight, static_cast<int64_t>(rows / mean_rows));
-      const double bytes = static_cast<double>(warps) * static_cast<double>(fit - 1) * mean_bytes;
-      if (bytes > best_bytes) {
-        best_bytes = bytes;
-        plan->warps_per_block = wpb;
-        plan->ring_rows = static_cast<int>(rows);
-        plan->work_offset = static_cast<int>(rows * row_bytes);
-        plan->warp_smem = static_cast<int>(per_warp);
-        *blocks_per_sm = bps;
-      }
-      if (bytes >= static_cast<double>(kTargetInFlightBytes)) return true;
-    }
-  }
-  return best_bytes >= 0;
-}
-
-struct LaunchCacheEntry {
-  const void* kernel;
-  int device, smem, threads, occupancy;
-};
-
-// Opts the kernel into `smem` bytes of dynamic shared memory and returns its resident blocks
-// per SM (cached: attribute setting and occupancy queries are host-only, no stream work).
-cudaError_t prepare_kernel(const void* kernel, int smem, int threads, int* occupancy) {
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  static std::mutex mu;
-  static std::vector<LaunchCacheEntry> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  for (const auto& c : cache)
-    if (c.kernel == kernel && c.device == device && c.smem == smem && c.threads == threads) {
-      *occupancy = c.occupancy;
-      return cudaSuccess;
-    }
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      e != cudaSuccess)
-    return e;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           cudaSharedmemCarveoutMaxShared);
-      e != cudaSuccess)
-    return e;
-  int occ = 0;
-  if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, threads, smem);
-      e != cudaSuccess)
-    return e;
-  if (occ < 1) return cudaErrorInvalidConfiguration;
-  cache.push_back({kernel, device, smem, threads, occ});
-  *occupancy = occ;
-  return cudaSuccess;
+size_t warp_smem_bytes(const SmallSeqArgs& a, bool backward) {
+  const size_t row = static_cast<size_t>(a.head_dim + 8) * 2;  // padded 16-bit row
+  const size_t g = static_cast<size_t>(a.q_heads / a.kv_heads);
+  const size_t ml = static_cast<size_t>(a.max_len);
+  size_t bytes = 2 * ml * row + g * row;  // K, V, Q
+  if (backward) bytes += g * row + 2 * round16(g * ml * 4);  // dO, P, dS
+  else bytes += round16(g * ml * 4);                           // P
+  return round16(bytes);
 }
 
 template <typename Kernel>
@@ -721,24 +430,27 @@ cudaError_t launch(Kernel kernel, const SmallSeqArgs& a, bool backward, Params p
                    cudaStream_t stream) {
   const int64_t tasks = a.batch * a.kv_heads;
   if (tasks == 0) return cudaSuccess;
-  DeviceInfo dev;
-  if (cudaError_t e = device_info(&dev); e != cudaSuccess) return e;
-  Plan plan;
-  int bps = 0;
-  if (!make_plan(a, backward, dev, &plan, &bps)) return cudaErrorInvalidValue;
-  const int threads = plan.warps_per_block * 32;
-  const int smem = plan.warp_smem * plan.warps_per_block;
-  int occ = 0;
-  if (cudaError_t e = prepare_kernel(reinterpret_cast<const void*>(kernel), smem, threads, &occ);
-      e != cudaSuccess)
-    return e;
-  const int64_t resident = static_cast<int64_t>(dev.sms) * occ;
-  const int64_t blocks = std::min<int64_t>((tasks + plan.warps_per_block - 1) / plan.warps_per_block,
-                                           resident);
-  p.warp_smem = plan.warp_smem;
-  p.ring_rows = plan.ring_rows;
-  p.work_offset = plan.work_offset;
-  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p);
+  const size_t per_warp = warp_smem_bytes(a, backward);
+  const int warps = static_cast<int>(std::clamp<size_t>(kDefaultSmemBytes / per_warp, 1,
+                                                        kMaxWarpsPerBlock));
+  const size_t smem = per_warp * warps;
+  if (smem > kDefaultSmemBytes) {  // only for very large GQA groups at D = 512
+    int device = 0, optin = 0;
+    if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                               device);
+        e != cudaSuccess)
+      return e;
+    if (smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem));
+        e != cudaSuccess)
+      return e;
+  }
+  const int64_t blocks = (tasks + warps - 1) / warps;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  p.warp_smem = static_cast<int>(per_warp);
+  kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -759,24 +471,34 @@ Params make_params(const SmallSeqArgs& a) {
   return p;
 }
 
-// Head block: the largest of 4, 2, 1 dividing the group (2 at most for D = 512: registers).
-template <typename T, int D, bool kBwd>
-cudaError_t dispatch_hb(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  const int g = p.group;
-  if constexpr (D < 512) {
-    if (g % 4 == 0) return launch(small_seq_kernel<T, D, 4, kBwd>, a, kBwd, p, s);
-  }
-  if (g % 2 == 0) return launch(small_seq_kernel<T, D, 2, kBwd>, a, kBwd, p, s);
-  return launch(small_seq_kernel<T, D, 1, kBwd>, a, kBwd, p, s);
+template <typename T, int D>
+cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  return launch(small_seq_fwd_kernel<T, D>, a, false, p, s);
 }
 
-template <typename T, bool kBwd>
-cudaError_t dispatch(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+template <typename T, int D>
+cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  return launch(small_seq_bwd_kernel<T, D>, a, true, p, s);
+}
+
+template <typename T>
+cudaError_t dispatch_fwd(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
   switch (a.head_dim) {
-    case 64: return dispatch_hb<T, 64, kBwd>(a, p, s);
-    case 128: return dispatch_hb<T, 128, kBwd>(a, p, s);
-    case 256: return dispatch_hb<T, 256, kBwd>(a, p, s);
-    case 512: return dispatch_hb<T, 512, kBwd>(a, p, s);
+    case 64: return fwd_typed<T, 64>(a, p, s);
+    case 128: return fwd_typed<T, 128>(a, p, s);
+    case 256: return fwd_typed<T, 256>(a, p, s);
+    case 512: return fwd_typed<T, 512>(a, p, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t dispatch_bwd(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  switch (a.head_dim) {
+    case 64: return bwd_typed<T, 64>(a, p, s);
+    case 128: return bwd_typed<T, 128>(a, p, s);
+    case 256: return bwd_typed<T, 256>(a, p, s);
+    case 512: return bwd_typed<T, 512>(a, p, s);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -801,8 +523,8 @@ cudaError_t small_seq_fwd(const SmallSeqArgs& args, SmallSeqDType dtype, const v
   p.kv_mask = kv_mask;
   p.out = out;
   p.probs_out = probs;
-  return dtype == SmallSeqDType::kBF16 ? dispatch<__nv_bfloat16, false>(args, p, stream)
-                                       : dispatch<__half, false>(args, p, stream);
+  return dtype == SmallSeqDType::kBF16 ? dispatch_fwd<__nv_bfloat16>(args, p, stream)
+                                       : dispatch_fwd<__half>(args, p, stream);
 }
 
 cudaError_t small_seq_bwd(const SmallSeqArgs& args, SmallSeqDType dtype, const void* q,
@@ -830,8 +552,8 @@ cudaError_t small_seq_bwd(const SmallSeqArgs& args, SmallSeqDType dtype, const v
   p.dq = dq;
   p.dk = dk;
   p.dv = dv;
-  return dtype == SmallSeqDType::kBF16 ? dispatch<__nv_bfloat16, true>(args, p, stream)
-                                       : dispatch<__half, true>(args, p, stream);
+  return dtype == SmallSeqDType::kBF16 ? dispatch_bwd<__nv_bfloat16>(args, p, stream)
+                                       : dispatch_bwd<__half>(args, p, stream);
 }
 
 }  // namespace jaxcp::cuda

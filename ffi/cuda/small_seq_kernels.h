@@ -10,9 +10,7 @@
 // accesses stay in bounds.
 //
 // Every launcher only enqueues kernels on `stream` (no allocation, no synchronisation), so it
-// can be captured into a CUDA graph; its launch configuration (persistent warps, shared-memory
-// ring per warp) comes from device attributes and an occupancy query, cached per device and
-// kernel (host-only calls). Outputs are fully written.
+// can be captured into a CUDA graph. Outputs are fully written.
 #pragma once
 #include <cuda_runtime.h>
 
