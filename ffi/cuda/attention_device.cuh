@@ -199,6 +199,33 @@ __forceinline__ __device__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 1);
 }
 
+// Online softmax over one tile of scores s (rows, cols), already scaled to log2 units and
+// masked with -inf: updates the running row max and sum (over the quad that shares a row),
+// replaces s by exp2(s - max) and leaves in corr[] the factor that rescales earlier partials.
+template <class S, int kRows>
+__forceinline__ __device__ void online_softmax(S& s, float (&row_max)[kRows], float (&row_sum)[kRows],
+                                               float (&corr)[kRows]) {
+  constexpr int kCols = decltype(size<1>(s))::value;
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    float mx = row_max[mi];
+    CUTE_UNROLL
+    for (int ni = 0; ni < kCols; ++ni) mx = fmaxf(mx, s(mi, ni));
+    mx = quad_max(mx);
+    const float m_use = mx == -INFINITY ? 0.f : mx;  // all masked so far: exp2(-inf - 0) = 0
+    corr[mi] = exp2f(row_max[mi] - m_use);
+    row_max[mi] = mx;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int ni = 0; ni < kCols; ++ni) {
+      const float e = exp2f(s(mi, ni) - m_use);
+      s(mi, ni) = e;
+      sum += e;
+    }
+    row_sum[mi] = row_sum[mi] * corr[mi] + sum;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-element mask. pair_allowed(q, kv) <=> kv.seg == row.seg && row.lo <= kv.pos <= row.hi &&
 // kv.chunk == row.chunk, with the row's window folded into [lo, hi] (int32-clamped) and an

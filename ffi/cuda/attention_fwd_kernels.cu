@@ -186,26 +186,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
       }
     }
 
-    // Online softmax (log2 domain; scores already scaled).
+    // Online softmax (log2 domain; scores already scaled); rescale O by each row's correction.
+    float corr[kRows];
+    online_softmax(s, row_max, row_sum, corr);
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      float mx = row_max[mi];
       CUTE_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) mx = fmaxf(mx, s(mi, ni));
-      mx = quad_max(mx);
-      const float m_use = mx == -INFINITY ? 0.f : mx;  // all masked so far: exp2(-inf - 0) = 0
-      const float corr = exp2f(row_max[mi] - m_use);
-      row_max[mi] = mx;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) {
-        const float e = exp2f(s(mi, ni) - m_use);
-        s(mi, ni) = e;
-        sum += e;
-      }
-      row_sum[mi] = row_sum[mi] * corr + sum;
-      CUTE_UNROLL
-      for (int di = 0; di < size<1>(acc_o_rc); ++di) acc_o_rc(mi, di) *= corr;
+      for (int di = 0; di < size<1>(acc_o_rc); ++di) acc_o_rc(mi, di) *= corr[mi];
     }
 
     Tensor rP = convert_type<Element>(acc_s);

@@ -62,16 +62,12 @@ struct FwdSm90Traits {
   static constexpr uint32_t kTileBytes = kBN * kD * sizeof(Element);
   static constexpr uint32_t kQBytes = kBM * kD * sizeof(Element);
 
-  // O gets its own buffer (so the next tile's Q loads during the epilogue) where it fits.
-  static constexpr bool kSeparateO = false;
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    cute::array_aligned<Element, kSeparateO ? cosize_v<SmemLayoutQ> : 8, 1024> o;
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     alignas(8) uint64_t q_full;
-    alignas(8) uint64_t q_empty;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
 };
@@ -128,10 +124,10 @@ __forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
       op(*reinterpret_cast<const cutlass::Array<float, n>*>(src.data()));
 }
 
-// One query tile of the persistent schedule. Tiles are numbered (kv head, row, query tile,
-// q head in group), query tiles last to first: CTAs that run together read the same K/V from L2
-// (a work-sorted order streamed K/V from DRAM), the heads of a GQA group are neighbours, and
-// the heavy tiles of causal rows start early.
+// The query tile of one CTA. CTAs are numbered (kv head, row, query tile, q head in group),
+// query tiles last to first: CTAs that run together read the same K/V from L2 (a work-sorted
+// order streamed K/V from DRAM), the heads of a GQA group are neighbours, and the heavy tiles of
+// causal rows start early. (A persistent one-CTA-per-SM loop spilled registers and ran slower.)
 struct FwdTile {
   int b, h, hk, m_block, q_rows;
   int64_t q0;
@@ -192,10 +188,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   pp.num_consumers = KT::kConsumerThreads;
   Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
   Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) {
-    TxBarrier::init(&ss.q_full, 1);
-    cutlass::arch::ClusterBarrier::init(&ss.q_empty, KT::kConsumerThreads);
-  }
+  if (threadIdx.x == 0) TxBarrier::init(&ss.q_full, 1);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -212,10 +205,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
     Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
     auto write = cutlass::make_producer_start_state<Pipeline>();
-    int q_count = 0;
-    {  // one query tile per CTA (a persistent loop spilled registers and ran slower)
-      const int t = blockIdx.x;
-      const FwdTile ti = fwd_tile<BM>(p, P.batch, t);
+    {
+      const FwdTile ti = fwd_tile<BM>(p, P.batch, blockIdx.x);
       int c = kSkip;
       int j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, ti.range.x, c);
       if (j >= ti.range.y) return;  // the consumers write this tile's zeros
@@ -225,10 +216,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       Tensor gV = local_tile(mV(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
       auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      if (q_count > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (q_count - 1) & 1);
       TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
       copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
-      ++q_count;
       for (; j < ti.range.y; j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, j + 1, c)) {
         pipe_k.producer_acquire(write);
         copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
@@ -251,7 +240,6 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   auto thr_s = mma_s.get_thread_slice(tidx);
   auto thr_o = mma_o.get_thread_slice(tidx);
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutVt{});
-  Tensor sO = make_tensor(make_smem_ptr(KT::kSeparateO ? ss.o.data() : ss.q.data()), typename KT::SmemLayoutQ{});
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);
   Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
   Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
@@ -274,10 +262,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   if (wg == 1) sched_pass();  // warpgroup 0 goes first
 
   typename Pipeline::PipelineState read_k, read_v;
-  int q_count = 0;
-  {  // one query tile per CTA (a persistent loop spilled registers and ran slower)
-      const int t = blockIdx.x;
-    const FwdTile ti = fwd_tile<BM>(p, P.batch, t);
+  {
+    const FwdTile ti = fwd_tile<BM>(p, P.batch, blockIdx.x);
     Element* out_ptr = static_cast<Element*>(p.out) +
                        (static_cast<int64_t>(ti.b) * p.Sq + ti.q0) * p.q_row + static_cast<int64_t>(ti.h) * D;
     float* lse_ptr = p.lse + (static_cast<int64_t>(ti.b) * p.Hq + ti.h) * p.Sq + ti.q0;
@@ -331,24 +317,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             if (!allowed(rm[mi], cm)) s_rc(mi, ni) = -INFINITY;
         }
       }
-      CUTE_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) {
-        float mx = row_max[mi];
-        CUTE_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) mx = fmaxf(mx, s_rc(mi, ni));
-        mx = quad_max(mx);
-        const float m_use = mx == -INFINITY ? 0.f : mx;  // all masked so far: exp2(-inf - 0) = 0
-        corr[mi] = exp2f(row_max[mi] - m_use);
-        row_max[mi] = mx;
-        float sum = 0.f;
-        CUTE_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) {
-          const float e = exp2f(s_rc(mi, ni) - m_use);
-          s_rc(mi, ni) = e;
-          sum += e;
-        }
-        row_sum[mi] = row_sum[mi] * corr[mi] + sum;
-      }
+      online_softmax(s_rc, row_max, row_sum, corr);
     };
     auto rescale_o = [&]() {
       CUTE_UNROLL
@@ -358,7 +327,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       }
     };
 
-    TxBarrier::wait(&ss.q_full, q_count & 1);
+    TxBarrier::wait(&ss.q_full, 0);
     // First key tile: S only.
     pipe_k.consumer_wait(read_k);
     sched_wait();
@@ -401,10 +370,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     warpgroup_fence_operand(acc_o);
     pipe_v.consumer_release(read_v);
     ++read_v;
-    // Q is free for the next tile's load, unless O goes through its buffer.
-    if constexpr (KT::kSeparateO) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
-
-    // Epilogue: normalise, LSE (natural log), O through this warpgroup's rows of sO.
+    // Epilogue: normalise, LSE (natural log), O through this warpgroup's rows of sQ.
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       const float sum = quad_sum(row_sum[mi]);
@@ -419,16 +385,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     Tensor rO = convert_type<Element>(acc_o);
     auto smem_copy_o = make_tiled_copy_C(Copy_Atom<DefaultCopy, Element>{}, mma_o);
     auto thr_copy_o = smem_copy_o.get_thread_slice(tidx);
-    if constexpr (KT::kSeparateO) cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // last tile's reads done
-    cute::copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
-    cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sO
+    cute::copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sQ));
+    cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sQ
     for (int idx = t_wg; idx < 64 * (D / 8); idx += 128) {
       const int r = wg * 64 + idx / (D / 8), col = (idx % (D / 8)) * 8;
       if (r < ti.q_rows)
-        *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = *reinterpret_cast<const uint4*>(&sO(r, col));
+        *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = *reinterpret_cast<const uint4*>(&sQ(r, col));
     }
-    if constexpr (!KT::kSeparateO) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
-    ++q_count;
   }
 #endif
 }
