@@ -10,12 +10,12 @@ struct BwdParams {
   const void* v;
   const void* dout;
   const float* lse;    // [B, Hq, Sq]
-  const float* delta;  // [B, Hq, Sq]: rowsum(dO * O)
+  const float* delta;  // rowsum(dO * O) - dlse: [B, Hq, Sq], or [B, Hq, sq_pad] for the sm_90a kernel
   const int32_t* q_seg;
   const int32_t* q_pos;
   const int32_t* kv_seg;
   const int32_t* kv_pos;
-  float* dq_accum;  // [B, Sq, Hq, D] float32, unscaled (atomic dQ mode)
+  float* dq_accum;  // float32, unscaled (atomic dQ mode): [B, Sq, Hq, D], or per query tile (sm_90a)
   void* dq;         // [B, Sq, Hq, D] (dQ kernel output)
   void* dk;         // [B, Skv, Hkv, D] (when splits == 1)
   void* dv;
@@ -38,7 +38,58 @@ struct BwdParams {
   const TileRange* q_range_dq;   // [B, nq]: key tiles per query tile
   const int* q_order_dq;         // [B * nq]: (b * nq + m) query tiles, heaviest first
   int nkv_dq;
+  // sm_90a dK/dV kernel only: lse * log2(e) (+inf for empty rows) and delta in rows of sq_pad
+  // (a multiple of kBwdBlockM; padding rows hold +inf / 0), so a query tile's values are one
+  // aligned 256-byte block for a bulk copy.
+  const float* lse2;
+  int64_t sq_pad;
 };
+
+// The work of one dK/dV block: one key tile of one kv head (or a split of its GQA group). The
+// (head, split) pairs are cut into chunks of head_chunk; chunks run one after the other, inside a
+// chunk key tiles go heaviest first with the pairs of a tile on consecutive blocks. Small chunks
+// keep the blocks running together on few heads (their Q / dO stay in L2); chunks of >= ~4
+// waves keep the longest-first order.
+struct BwdBlock {
+  int b, n_block, hk, split, h_begin, h_end, kv_rows;
+  int64_t k0;
+  TileRange range;  // query tiles
+  TileSummary kvsum;
+  bool kv_ragged;
+};
+
+template <int BN>
+__forceinline__ __device__ BwdBlock bwd_block(const BwdParams& p, int64_t block) {
+  BwdBlock w;
+  const int64_t per_chunk = p.B * p.nkv * p.head_chunk;
+  const int chunk = static_cast<int>(block / per_chunk);
+  const int64_t r = block % per_chunk;
+  const int tile = p.kv_order[r / p.head_chunk];
+  const int y = chunk * p.head_chunk + static_cast<int>(r % p.head_chunk);
+  w.hk = y / p.splits;
+  w.split = y % p.splits;
+  w.b = tile / p.nkv;
+  w.n_block = tile % p.nkv;
+  w.h_begin = w.hk * p.group + w.split * p.group / p.splits;
+  w.h_end = w.hk * p.group + (w.split + 1) * p.group / p.splits;
+  w.k0 = static_cast<int64_t>(w.n_block) * BN;
+  w.kv_rows = static_cast<int>(p.Skv - w.k0 < BN ? p.Skv - w.k0 : BN);
+  w.range = p.kv_range[w.b * p.nkv + w.n_block];
+  w.kvsum = p.kv_sum[w.b * p.nkv + w.n_block];
+  w.kv_ragged = w.k0 + BN > p.Skv;
+  return w;
+}
+
+// First query tile at or after i that block w does not skip (w.range.y: none); its class in c.
+template <int BM>
+__forceinline__ __device__ int bwd_next_q(const BwdParams& p, const BwdBlock& w, int i, int& c) {
+  const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
+  for (; i < w.range.y; ++i) {
+    c = tile_class(q_sum[i], w.kvsum, p.mask, w.kv_ragged || static_cast<int64_t>(i + 1) * BM > p.Sq);
+    if (c != kSkip) break;
+  }
+  return i;
+}
 
 // attention_bwd_kernels.cu
 template <class Element, int D>
@@ -46,6 +97,17 @@ cudaError_t launch_bwd_dkdv(const BwdParams& p, bool atomic_dq, cudaStream_t str
 // attention_bwd_dq_kernels.cu
 template <class Element, int D>
 cudaError_t launch_bwd_dq(const BwdParams& p, cudaStream_t stream);
+}  // namespace jaxcp::cuda::detail
+
+namespace jaxcp::cuda {
+// attention_bwd_sm90_kernels.cu: whether the sm_90a dK/dV kernel runs these arguments (the
+// device is sm_90 with this build's sm_90a image, non-deterministic mode, a head dim it has),
+// and its launcher (dK, dV, and dQ through p.dq_accum, converted into p.dq).
+bool bwd_use_sm90(const AttentionArgs& args);
+cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, cudaStream_t stream);
+}  // namespace jaxcp::cuda
+
+namespace jaxcp::cuda::detail {
 
 // 2 adjacent float32 -> 2 adjacent 16-bit values, one 32-bit store.
 template <class Element>

@@ -75,33 +75,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dkdv_kernel(con
   extern __shared__ __align__(1024) char smem_raw[];
 
   const int tidx = threadIdx.x;
-  // Block -> (key tile, kv head, split). The (head, split) pairs are cut into chunks of
-  // head_chunk; chunks run one after the other, inside a chunk key tiles go heaviest first with
-  // the pairs of a tile on consecutive blocks. Small chunks keep the blocks running together on
-  // few heads (their Q / dO stay in L2); chunks of >= ~4 waves keep the longest-first order.
-  const int64_t tiles = p.B * p.nkv;
-  const int64_t per_chunk = tiles * p.head_chunk;
-  const int chunk = static_cast<int>(blockIdx.x / per_chunk);
-  const int64_t r = blockIdx.x % per_chunk;
-  const int tile = p.kv_order[r / p.head_chunk];
-  const int y = chunk * p.head_chunk + static_cast<int>(r % p.head_chunk);
-  const int hk = y / p.splits, split = y % p.splits, b = tile / p.nkv, n_block = tile % p.nkv;
-  const int h_begin = hk * p.group + split * p.group / p.splits;
-  const int h_end = hk * p.group + (split + 1) * p.group / p.splits;
-  const int64_t k0 = static_cast<int64_t>(n_block) * BN;
-  const int kv_rows = static_cast<int>(p.Skv - k0 < BN ? p.Skv - k0 : BN);
-  const TileRange range = p.kv_range[b * p.nkv + n_block];
-  const TileSummary kvsum = p.kv_sum[b * p.nkv + n_block];
-  const TileSummary* q_sum = p.q_sum + b * p.nq;
-  const bool kv_ragged = k0 + BN > p.Skv;
-  auto q_class = [&](int i) {
-    return tile_class(q_sum[i], kvsum, p.mask, kv_ragged || static_cast<int64_t>(i + 1) * BM > p.Sq);
-  };
-  auto next_q = [&](int i, int& c) {
-    for (; i < range.y; ++i)
-      if ((c = q_class(i)) != kSkip) break;
-    return i;
-  };
+  const BwdBlock w = bwd_block<BN>(p, blockIdx.x);
+  const int hk = w.hk, split = w.split, b = w.b, kv_rows = w.kv_rows;
+  const int h_begin = w.h_begin, h_end = w.h_end;
+  const int64_t k0 = w.k0;
+  const TileRange range = w.range;
+  auto next_q = [&](int i, int& c) { return bwd_next_q<BM>(p, w, i, c); };
 
   Element* smem_e = reinterpret_cast<Element*>(smem_raw);
   Tensor sQ = make_tensor(make_smem_ptr(smem_e), typename KT::SmemLayoutQdO{});

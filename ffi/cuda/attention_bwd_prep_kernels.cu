@@ -10,12 +10,13 @@ namespace {
 
 // delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32): the lse
 // cotangent folds into delta since d lse / d s_ij = p_ij. D/8 threads per row.
+// Rows of delta are delta_stride long (Sq, or sq_pad for the sm_90a kernel).
 template <class Element, int D>
 __global__ void __launch_bounds__(256) bwd_delta_kernel(const Element* __restrict__ out,
                                                         const Element* __restrict__ dout,
                                                         const float* __restrict__ dlse,
                                                         float* __restrict__ delta, int64_t rows,
-                                                        int64_t Sq, int Hq) {
+                                                        int64_t Sq, int Hq, int64_t delta_stride) {
   constexpr int kTpr = D / 8;  // threads per row
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / kTpr;
   const int lane = threadIdx.x % kTpr;
@@ -31,10 +32,30 @@ __global__ void __launch_bounds__(256) bwd_delta_kernel(const Element* __restric
   CUTE_UNROLL
   for (int o = kTpr / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   if (row < rows && lane == 0) {
-    // row = (b * Sq + i) * Hq + h  ->  delta[(b * Hq + h) * Sq + i]
+    // row = (b * Sq + i) * Hq + h  ->  delta[(b * Hq + h) * delta_stride + i]
     const int64_t h = row % Hq, bi = row / Hq, i = bi % Sq, b = bi / Sq;
     const int64_t o = (b * Hq + h) * Sq + i;
-    delta[o] = dlse ? acc - dlse[o] : acc;
+    const float d = dlse ? acc - dlse[o] : acc;
+    delta[(b * Hq + h) * delta_stride + i] = d;
+  }
+}
+
+// For the sm_90a kernel, in rows of sq_pad: lse2 = lse * log2(e), +inf for empty rows (P = 0)
+// and for the padding, whose delta is zeroed (padding queries then give dS = 0, never NaN).
+__global__ void __launch_bounds__(256) bwd_lse2_kernel(const float* __restrict__ lse,
+                                                       float* __restrict__ lse2,
+                                                       float* __restrict__ delta, int64_t rows,
+                                                       int64_t Sq, int64_t sq_pad) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; idx < rows * sq_pad;
+       idx += static_cast<int64_t>(gridDim.x) * 256) {
+    const int64_t row = idx / sq_pad, i = idx % sq_pad;
+    if (i < Sq) {
+      const float l = lse[row * Sq + i];
+      lse2[idx] = l == -INFINITY ? INFINITY : l * kLog2e;
+    } else {
+      lse2[idx] = INFINITY;
+      delta[idx] = 0.f;
+    }
   }
 }
 
@@ -97,10 +118,11 @@ int multiprocessor_count() {
 }  // namespace
 
 struct BwdPlan {
-  int64_t nq = 0, nkv = 0, nkv_dq = 0;
+  int64_t nq = 0, nkv = 0, nkv_dq = 0, sq_pad = 0;
   int splits = 1, head_chunk = 1;
+  bool sm90 = false;
   size_t q_sum = 0, kv_sum = 0, kv_range = 0, kv_order = 0, kv_sum_dq = 0, q_range_dq = 0,
-         q_order_dq = 0, delta = 0, dq_accum = 0, dk_part = 0, dv_part = 0, bytes = 0;
+         q_order_dq = 0, delta = 0, lse2 = 0, dq_accum = 0, dk_part = 0, dv_part = 0, bytes = 0;
 };
 
 BwdPlan bwd_plan(const AttentionArgs& a) {
@@ -110,6 +132,8 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   r.nq = ceil_div64(s.q_len, kBwdBlockM);
   r.nkv = ceil_div64(s.kv_len, bn);
   r.nkv_dq = ceil_div64(s.kv_len, bn_dq);
+  r.sq_pad = r.nq * kBwdBlockM;
+  r.sm90 = bwd_use_sm90(a);
   // Split the query heads of a GQA group over several blocks when there are too few key tiles
   // to fill the GPU (partial dK/dV sums in float32, reduced in a fixed order).
   const int64_t G = s.kv_heads > 0 ? s.q_heads / s.kv_heads : 1;
@@ -136,13 +160,15 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   r.kv_sum = w.take(sizeof(TileSummary) * s.batch * r.nkv);
   r.kv_range = w.take(sizeof(TileRange) * s.batch * r.nkv);
   r.kv_order = w.take(sizeof(int) * s.batch * r.nkv);
-  r.delta = w.take(sizeof(float) * s.batch * s.q_heads * s.q_len);
+  r.delta = w.take(sizeof(float) * s.batch * s.q_heads * (r.sm90 ? r.sq_pad : s.q_len));
+  if (r.sm90) r.lse2 = w.take(sizeof(float) * s.batch * s.q_heads * r.sq_pad);
   if (a.deterministic) {
     r.kv_sum_dq = w.take(sizeof(TileSummary) * s.batch * r.nkv_dq);
     r.q_range_dq = w.take(sizeof(TileRange) * s.batch * r.nq);
     r.q_order_dq = w.take(sizeof(int) * s.batch * r.nq);
   } else {
-    r.dq_accum = w.take(sizeof(float) * s.batch * s.q_len * s.q_heads * s.head_dim);
+    // sm_90a: per query tile, padded to whole tiles (see attention_bwd_sm90_kernels.cu).
+    r.dq_accum = w.take(sizeof(float) * s.batch * (r.sm90 ? r.sq_pad : s.q_len) * s.q_heads * s.head_dim);
   }
   if (r.splits > 1) {
     const size_t part = sizeof(float) * r.splits * s.batch * s.kv_len * s.kv_heads * s.head_dim;
@@ -164,19 +190,29 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
     constexpr int kRowsPerBlock = 256 / (D / 8);
     bwd_delta_kernel<Element, D><<<static_cast<unsigned>(ceil_div64(rows, kRowsPerBlock)), 256, 0, stream>>>(
         static_cast<const Element*>(out), static_cast<const Element*>(p.dout), dlse,
-        const_cast<float*>(p.delta), rows, s.q_len, p.Hq);
+        const_cast<float*>(p.delta), rows, s.q_len, p.Hq, plan.sm90 ? plan.sq_pad : s.q_len);
+    if ((err = cudaGetLastError())) return err;
+  }
+  if (plan.sm90) {
+    const int64_t rows = s.batch * s.q_heads;
+    bwd_lse2_kernel<<<grid_for(rows * plan.sq_pad, 256), 256, 0, stream>>>(
+        p.lse, const_cast<float*>(p.lse2), const_cast<float*>(p.delta), rows, s.q_len, plan.sq_pad);
     if ((err = cudaGetLastError())) return err;
   }
   const int64_t q_elems = s.batch * s.q_len * s.q_heads * s.head_dim;
   if (!a.deterministic) {
-    if ((err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * q_elems, stream))) return err;
+    const int64_t accum = s.batch * (plan.sm90 ? plan.sq_pad : s.q_len) * s.q_heads * s.head_dim;
+    if ((err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * accum, stream))) return err;
   }
   if (p.nkv > 0) {
-    if ((err = launch_bwd_dkdv<Element, D>(p, !a.deterministic, stream))) return err;
+    err = plan.sm90 ? launch_bwd_sm90(p, std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBF16 : DType::kF16, D,
+                                      stream)
+                    : launch_bwd_dkdv<Element, D>(p, !a.deterministic, stream);
+    if (err) return err;
   }
   if (a.deterministic) {
     if ((err = launch_bwd_dq<Element, D>(p, stream))) return err;
-  } else {
+  } else if (!plan.sm90) {  // the sm_90a launcher converts its own dQ layout
     scale_convert_kernel<Element><<<grid_for(q_elems / 8, 256), 256, 0, stream>>>(
         p.dq_accum, static_cast<Element*>(dq), q_elems / 8, p.scale);
     if ((err = cudaGetLastError())) return err;
@@ -236,6 +272,8 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
 
   detail::BwdParams p{};
   p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse = lse;
+  p.lse2 = plan.sm90 ? reinterpret_cast<float*>(base + plan.lse2) : nullptr;
+  p.sq_pad = plan.sq_pad;
   p.delta = reinterpret_cast<float*>(base + plan.delta);
   p.q_seg = q_seg; p.q_pos = q_pos; p.kv_seg = kv_seg; p.kv_pos = kv_pos;
   p.dq_accum = a.deterministic ? nullptr : reinterpret_cast<float*>(base + plan.dq_accum);

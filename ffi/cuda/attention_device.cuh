@@ -61,6 +61,11 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
 // order[0..n) = indices of ranges[0..n) by decreasing range length (heaviest blocks first).
 cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int* order, cudaStream_t stream);
 
+// Whether the current device is sm_90 and runs this build's sm_90a images (cached per device),
+// and whether JAXCP_DISABLE_SM90 (non-empty, not "0") forces the sm_80 kernels.
+bool sm90_kernels_available();
+bool sm90_disabled_by_env();
+
 // Enables > 48 KB of dynamic shared memory for `kernel` on the current device (once per device).
 cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_mask);
 

@@ -10,19 +10,7 @@
 
 #include "attention_fwd.cuh"
 
-#include <cute/arch/cluster_sm90.hpp>
-#include <cute/arch/copy_sm90_tma.hpp>
-#include <cute/atom/copy_traits_sm90_tma.hpp>
-#include <cute/atom/mma_traits_sm90_gmma.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
-#include <cutlass/pipeline/pipeline.hpp>
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define JAXCP_SM90_DEVICE 1
-#else
-#define JAXCP_SM90_DEVICE 0
-#endif
+#include "attention_sm90.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -79,50 +67,6 @@ struct FwdSm90Params {
   typename KT::TmaQ tma_q;
   typename KT::TmaKV tma_k, tma_v;
 };
-
-// wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)) = (rows, cols).
-template <class L>
-__forceinline__ __device__ auto acc_rowcol_sm90(L const& l) {
-  static_assert(decltype(rank<0>(l))::value == 3);
-  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
-}
-
-// wgmma accumulator of S (64 x N per warpgroup) -> register A operand of the P V wgmma
-// ((2, 2, 2), MMA_M, N/16): two adjacent 8-column blocks form one k16 slice.
-template <class L>
-__forceinline__ __device__ auto acc_as_A_sm90(L const& l) {
-  static_assert(decltype(rank<0>(l))::value == 3);
-  auto n = logical_divide(get<0, 2>(l), Tile<_2>{});
-  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(n)), get<1>(l),
-                     coalesce(make_layout(get<0, 1>(n), get<2>(l))));
-}
-
-// Issues one warpgroup GEMM on the tensor cores (every k-slice) and commits it as one batch;
-// the caller waits with warpgroup_wait<N>() and then fences the accumulator.
-template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
-__forceinline__ __device__ void wgmma_issue(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
-  constexpr bool kRegA = !cute::is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
-  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tA));
-  warpgroup_fence_operand(tC);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(tA); ++k) {
-    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-}
-
-// dst (16-bit registers) = src (float registers), same layout.
-template <class TD, class TS>
-__forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
-  using To = typename TD::value_type;
-  constexpr int n = decltype(size(src))::value;
-  cutlass::NumericArrayConverter<To, float, n> op;
-  *reinterpret_cast<cutlass::Array<To, n>*>(dst.data()) =
-      op(*reinterpret_cast<const cutlass::Array<float, n>*>(src.data()));
-}
 
 // The query tile of one CTA. CTAs are numbered (kv head, row, query tile, q head in group),
 // query tiles last to first: CTAs that run together read the same K/V from L2 (a work-sorted
@@ -443,9 +387,7 @@ cudaError_t dispatch_fwd_sm90(const FwdParams& p, int64_t batch, int64_t d, cuda
 
 }  // namespace detail
 
-namespace {
-// Whether the current device is sm_90 and runs this build's sm_90a image (cached per device).
-bool device_runs_sm90a() {
+bool sm90_kernels_available() {
   static int cache[64] = {};  // 0 unknown, 1 yes, 2 no
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
@@ -463,18 +405,21 @@ bool device_runs_sm90a() {
   if (slot != nullptr) __atomic_store_n(slot, ok ? 1 : 2, __ATOMIC_RELEASE);
   return ok;
 }
-}  // namespace
+
+bool sm90_disabled_by_env() {
+  const char* env = std::getenv("JAXCP_DISABLE_SM90");
+  return env != nullptr && env[0] != '\0' && env[0] != '0';
+}
 
 bool fwd_use_sm90(const AttentionArgs& a) {
-  const char* env = std::getenv("JAXCP_DISABLE_SM90");
-  if (env != nullptr && env[0] != '\0' && env[0] != '0') return false;
+  if (sm90_disabled_by_env()) return false;
   // Measured on H200 (benchmarks/README.md): the sm_80 kernel, with several CTAs per
   // multiprocessor, is faster for head dim 64 and for short sliding windows, whose query tiles
   // see only a few key tiles each, and for chunked masks (its key masks are computed once per
   // tile in shared memory; here every thread derives the chunk of each of its columns).
   if (a.shape.head_dim == 64 || a.mask.chunk_size > 0) return false;
   if (a.mask.window_left >= 0 && a.mask.window_left < 4096) return false;
-  return device_runs_sm90a();
+  return sm90_kernels_available();
 }
 
 cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, cudaStream_t stream) {

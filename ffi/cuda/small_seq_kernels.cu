@@ -4,18 +4,25 @@
 // the G = Hq/Hkv query rows of the group (and, in the backward, dO and the saved probabilities)
 // into its own slice of shared memory with 16-byte cp.async copies: every byte is read from
 // global memory exactly once, all of a task's loads are in flight together, and the K/V tile is
-// shared by all query heads of the GQA group. All math is float32 from shared memory:
+// shared by all query heads of the GQA group.
+//
+// Forward (default): tensor cores (mma.sync) from shared memory, see small_seq_fwd_mma_kernel.
+// Forward v1 (JAXCP_SMALL_SEQ_FWD_V1=1) and backward: float32 math on the CUDA cores:
 //   scores : lane = (d-split, head, token); partial dot products reduced with shuffles, then a
 //            softmax over the token lanes; probabilities written once (to global and smem).
 //   P @ V  : lane = (token-split, head, 16-byte chunk of D); reduced over the token split.
 //   dK, dV : lane = (token, chunk); sums over the G heads of the group, written once.
 // Shared-memory rows are padded by 16 bytes so lanes reading the same chunk of different rows
-// hit different banks.
+// (and the 8 row addresses of an ldmatrix) hit different banks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "small_seq_kernels.h"
 
@@ -66,6 +73,9 @@ struct Cvt<__nv_bfloat16> {
     __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
   }
+  static __device__ __forceinline__ float2 unpack2(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
 };
 
 template <>
@@ -82,6 +92,9 @@ struct Cvt<__half> {
   static __device__ __forceinline__ uint32_t pack2(float a, float b) {
     __half2 h = __floats2half2_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack2(uint32_t w) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
   }
 };
 
@@ -117,6 +130,61 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// ---------------------------------------------------------------- ldmatrix / mma.sync (sm_80+)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a b: m16n8k16, A row-major 16x16, B col-major 16x8, float32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a b: m16n8k8.
+template <typename T>
+__device__ __forceinline__ void mma1688(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+  else
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// (a, b) as packed 16-bit hi + lo with hi + lo = (a, b) to about 16 significant bits.
+template <typename T>
+__device__ __forceinline__ void split2(float a, float b, uint32_t* hi, uint32_t* lo) {
+  *hi = Cvt<T>::pack2(a, b);
+  const float2 h = Cvt<T>::unpack2(*hi);
+  *lo = Cvt<T>::pack2(a - h.x, b - h.y);
 }
 
 __device__ __forceinline__ int pow2_ceil(int x) {
@@ -175,6 +243,34 @@ __device__ __forceinline__ void stage(const Params& p, const Task& t, int lane, 
     const int r = i / Geo::kChunks, c = i % Geo::kChunks;
     cp_async16(As + r * Geo::kRow + c * 8, rows_a + static_cast<int64_t>(i) * 8);
     if (rows_b != nullptr) cp_async16(Bs + r * Geo::kRow + c * 8, rows_b + static_cast<int64_t>(i) * 8);
+  }
+}
+
+// Forward staging of the task's allowed K/V tokens and its G query rows: a lane keeps one chunk
+// column and steps its pointers from token to token. With the math on tensor cores, the per-chunk
+// index arithmetic of stage() (~35 instructions per K/V chunk pair) was most of a task's work.
+template <typename T, int D>
+__device__ __forceinline__ void stage_fwd(const Params& p, const Task& t, int lane, T* Ks, T* Vs,
+                                          const T* q_rows, T* Qs, int n_rows) {
+  using Geo = Geometry<D>;
+  constexpr int kLanes = Geo::kChunkLanes, kTokensPerPass = 32 / kLanes;
+  const int j0 = lane / kLanes, col = (lane % kLanes) * 8;
+  const int64_t step = static_cast<int64_t>(kTokensPerPass) * p.kv_heads * D;
+  const int64_t off = ((t.start + j0) * p.kv_heads + t.g) * D + col;
+  const T* kp = static_cast<const T*>(p.k) + off;
+  const T* vp = static_cast<const T*>(p.v) + off;
+  for (int j = j0; j < t.len; j += kTokensPerPass, kp += step, vp += step) {
+    if (!allowed(t.mask, j)) continue;
+#pragma unroll
+    for (int cc = 0; cc < Geo::kChunksPerLane; ++cc) {
+      const int e = j * Geo::kRow + col + cc * kLanes * 8;
+      cp_async16(Ks + e, kp + cc * kLanes * 8);
+      cp_async16(Vs + e, vp + cc * kLanes * 8);
+    }
+  }
+  for (int i = lane; i < n_rows * Geo::kChunks; i += 32) {
+    const int r = i / Geo::kChunks, c = i % Geo::kChunks;
+    cp_async16(Qs + r * Geo::kRow + c * 8, q_rows + static_cast<int64_t>(i) * 8);
   }
 }
 
@@ -307,6 +403,161 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
   weighted_rows<T, D>(t, lane, G, ML, Ps, Vs, static_cast<T*>(p.out) + row0 * D, 1.f);
 }
 
+// ---------------------------------------------------------------- forward on tensor cores
+//
+// Same tasks and shared-memory slices as small_seq_fwd_kernel, but the math runs on mma.sync.
+// The CUDA-core kernel's instructions per task grow ~G-fold while its bytes barely do (each lane
+// unpacks and multiplies its own Q/K/V chunks), which made GQA groups (and, with the per-task
+// overheads, short ragged rows) issue-bound; here the math is a few dozen ldmatrix + mma per
+// task. Per tile of 16 query heads of the group:
+//   S = Q K^T : m16n8k16, M = heads, N = NT tiles of 8 tokens, K = D;
+//   softmax on the accumulators (a head's row lives in the 4 lanes of a quad), probabilities
+//     written from there;
+//   O = P V   : the score accumulators are P's A fragments as they stand (m16n8k16 for NT = 2,
+//     m16n8k8 for NT = 1); P is split into 16-bit hi + lo parts, two mma each, so that the
+//     weights keep ~16 significant bits (a bf16 P alone would keep 8);
+//   O is staged in the tile's (consumed) Q rows so that global stores are 16 bytes per lane.
+// Tokens a row does not attend (past its length, masked off, past max_len) and heads past the
+// group read the block's zero row instead of a smem row: nothing unstaged is read, and the P V
+// product cannot turn 0 * garbage into NaN.
+template <typename T, int D, int NT>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
+    small_seq_fwd_mma_kernel(const Params p) {
+  using Geo = Geometry<D>;
+  constexpr int kCpx = 4 / NT;  // chunks of a token row in one ldmatrix.x4 of K or V
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* Zs = reinterpret_cast<T*>(smem);  // the block's zero row, then one slice per warp
+  Task t;
+  const bool has_task = task_of(p, &t);
+  for (int c = threadIdx.x; c < Geo::kChunks; c += blockDim.x)
+    *reinterpret_cast<uint4*>(Zs + c * 8) = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  if (!has_task) return;
+  const int lane = threadIdx.x & 31;
+  const int G = p.group, ML = p.max_len;
+  T* Ks = Zs + Geo::kRow + (threadIdx.x >> 5) * (p.warp_smem / 2);
+  T* Vs = Ks + ML * Geo::kRow;
+  T* Qs = Vs + ML * Geo::kRow;  // Q rows; a head tile's rows then stage its O rows
+  const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
+
+  stage_fwd<T, D>(p, t, lane, Ks, Vs, static_cast<const T*>(p.q) + row0 * D, Qs, G);
+  cp_async_wait_all();
+  __syncwarp();
+
+  auto attends = [&](int j) { return j < t.len && allowed(t.mask, j); };
+  // ldmatrix row addresses: lane supplies row lane % 8 of matrix mi = lane / 8.
+  //   K (B of S): matrix mi = token tile mi / kCpx, chunk mi % kCpx (two k-steps when NT = 1).
+  //   V (B of P V, transposed): matrix mi = token tile mi % NT, chunk mi / NT.
+  const int mi = lane >> 3, r8 = lane & 7;
+  const int jk = r8 + 8 * (mi / kCpx), jv = r8 + 8 * (mi % NT);
+  const uint32_t k_addr = smem_u32(attends(jk) ? Ks + jk * Geo::kRow : Zs) + (mi % kCpx) * 16;
+  const uint32_t v_addr = smem_u32(attends(jv) ? Vs + jv * Geo::kRow : Zs) + (mi / NT) * 16;
+  // Accumulator layout: lane holds rows qr and qr + 8, columns qc and qc + 1 of each 8-wide tile.
+  const int qr = lane >> 2, qc = 2 * (lane & 3);
+  bool ok[NT][2];
+#pragma unroll
+  for (int tt = 0; tt < NT; ++tt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) ok[tt][e] = attends(8 * tt + qc + e);
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const bool pair_store = ML % 2 == 0 && (reinterpret_cast<uintptr_t>(p.probs_out) & 7) == 0;
+  T* out = static_cast<T*>(p.out);
+
+  for (int h0 = 0; h0 < G; h0 += 16) {
+    // Q (A of S): matrix mi = rows 8 * (mi & 1) of the tile, chunk mi >> 1.
+    const int hq = h0 + r8 + 8 * (mi & 1);
+    const uint32_t q_addr = smem_u32(hq < G ? Qs + hq * Geo::kRow : Zs) + (mi >> 1) * 16;
+    float s[NT][4] = {};
+#pragma unroll 4
+    for (int ks = 0; ks < D / 16; ks += 2 / NT) {
+      uint32_t kb[4], qa[4];
+      ldsm_x4(kb, k_addr + ks * 32);
+      ldsm_x4(qa, q_addr + ks * 32);
+      mma16816<T>(s[0], qa, kb[0], kb[1]);
+      if constexpr (NT == 2) {
+        mma16816<T>(s[1], qa, kb[2], kb[3]);
+      } else {
+        ldsm_x4(qa, q_addr + (ks + 1) * 32);
+        mma16816<T>(s[0], qa, kb[2], kb[3]);
+      }
+    }
+
+    // Softmax over the tokens of rows qr (values s[.][0..1]) and qr + 8 (s[.][2..3]).
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[tt][i] = ok[tt][i & 1] ? s[tt][i] * scale_log2 : -INFINITY;
+        m[i >> 1] = fmaxf(m[i >> 1], s[tt][i]);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      for (int o = 1; o < 4; o <<= 1) m[r] = fmaxf(m[r], __shfl_xor_sync(kFull, m[r], o));
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[tt][i] = ok[tt][i & 1] ? exp2f(s[tt][i] - m[i >> 1]) : 0.f;
+        l[i >> 1] += s[tt][i];
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      for (int o = 1; o < 4; o <<= 1) l[r] += __shfl_xor_sync(kFull, l[r], o);
+      l[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    }
+    uint32_t ph[2 * NT], pl[2 * NT];  // A fragments of P: index 2 * tile + (row qr + 8)
+#pragma unroll
+    for (int tt = 0; tt < NT; ++tt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float a = s[tt][2 * r] * l[r], b = s[tt][2 * r + 1] * l[r];
+        split2<T>(a, b, &ph[2 * tt + r], &pl[2 * tt + r]);
+        const int h = h0 + qr + 8 * r, j = 8 * tt + qc;
+        if (h >= G) continue;
+        float* prow = p.probs_out + (row0 + h) * ML;
+        if (pair_store) {
+          if (j < ML) *reinterpret_cast<float2*>(prow + j) = make_float2(a, b);
+        } else {
+          if (j < ML) prow[j] = a;
+          if (j + 1 < ML) prow[j + 1] = b;
+        }
+      }
+    __syncwarp();  // the tile's Q rows are consumed: they take its O rows now
+
+    T* o_rows = Qs + h0 * Geo::kRow;
+#pragma unroll 2
+    for (int c0 = 0; c0 < Geo::kChunks; c0 += kCpx) {
+      uint32_t vb[4];
+      ldsm_x4_trans(vb, v_addr + c0 * 16);
+#pragma unroll
+      for (int c = 0; c < kCpx; ++c) {
+        float o[4] = {};
+        if constexpr (NT == 2) {
+          mma16816<T>(o, ph, vb[2 * c], vb[2 * c + 1]);
+          mma16816<T>(o, pl, vb[2 * c], vb[2 * c + 1]);
+        } else {
+          mma1688<T>(o, ph[0], ph[1], vb[c]);
+          mma1688<T>(o, pl[0], pl[1], vb[c]);
+        }
+        const int col = (c0 + c) * 8 + qc;
+        if (h0 + qr < G)
+          *reinterpret_cast<uint32_t*>(o_rows + qr * Geo::kRow + col) = Cvt<T>::pack2(o[0], o[1]);
+        if (h0 + qr + 8 < G)
+          *reinterpret_cast<uint32_t*>(o_rows + (qr + 8) * Geo::kRow + col) =
+              Cvt<T>::pack2(o[2], o[3]);
+      }
+    }
+    __syncwarp();
+    const int rows = min(16, G - h0);
+    T* dst = out + (row0 + h0) * D;
+    for (int i = lane; i < rows * Geo::kChunks; i += 32) {
+      const int r = i / Geo::kChunks, c = i % Geo::kChunks;
+      stg16(dst + static_cast<int64_t>(i) * 8, lds16(o_rows + r * Geo::kRow + c * 8));
+    }
+  }
+}
+
 // ---------------------------------------------------------------- backward
 
 template <typename T, int D>
@@ -415,43 +666,90 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
 
 size_t round16(size_t x) { return (x + 15) & ~size_t{15}; }
 
-size_t warp_smem_bytes(const SmallSeqArgs& a, bool backward) {
-  const size_t row = static_cast<size_t>(a.head_dim + 8) * 2;  // padded 16-bit row
+enum class Pass { kFwdV1, kFwd, kBwd };
+
+size_t row_bytes(const SmallSeqArgs& a) { return static_cast<size_t>(a.head_dim + 8) * 2; }
+
+size_t warp_smem_bytes(const SmallSeqArgs& a, Pass pass) {
+  const size_t row = row_bytes(a);  // padded 16-bit row
   const size_t g = static_cast<size_t>(a.q_heads / a.kv_heads);
   const size_t ml = static_cast<size_t>(a.max_len);
+  const size_t probs = round16(g * ml * 4);
   size_t bytes = 2 * ml * row + g * row;  // K, V, Q
-  if (backward) bytes += g * row + 2 * round16(g * ml * 4);  // dO, P, dS
-  else bytes += round16(g * ml * 4);                           // P
+  if (pass == Pass::kFwdV1) bytes += probs;
+  if (pass == Pass::kBwd) bytes += g * row + 2 * probs;  // dO, P, dS
   return round16(bytes);
 }
 
-template <typename Kernel>
-cudaError_t launch(Kernel kernel, const SmallSeqArgs& a, bool backward, Params p,
-                   cudaStream_t stream) {
-  const int64_t tasks = a.batch * a.kv_heads;
-  if (tasks == 0) return cudaSuccess;
-  const size_t per_warp = warp_smem_bytes(a, backward);
+struct BlockShape {
+  int warps;
+  size_t smem;  // dynamic shared memory of a block
+};
+
+// As many warps as fit in the default 48 KB (at least one).
+BlockShape default_shape(size_t per_warp) {
   const int warps = static_cast<int>(std::clamp<size_t>(kDefaultSmemBytes / per_warp, 1,
                                                         kMaxWarpsPerBlock));
-  const size_t smem = per_warp * warps;
-  if (smem > kDefaultSmemBytes) {  // only for very large GQA groups at D = 512
+  return {warps, per_warp * warps};
+}
+
+// The warps per block (each needing per_warp bytes, plus `shared` bytes per block) that keep the
+// most warps resident per multiprocessor. Filling 48 KB per block can waste much of an SM's
+// shared memory: 4 GQA slices of 10 KB make 5 blocks, 20 warps; 2 per block make 22.
+cudaError_t occupancy_shape(size_t per_warp, size_t shared, BlockShape* shape) {
+  int device = 0, sm = 0, reserved = 0, optin = 0, max_blocks = 0, max_threads = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  for (auto [value, attr] : {std::pair{&sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor},
+                             std::pair{&reserved, cudaDevAttrReservedSharedMemoryPerBlock},
+                             std::pair{&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
+                             std::pair{&max_blocks, cudaDevAttrMaxBlocksPerMultiprocessor},
+                             std::pair{&max_threads, cudaDevAttrMaxThreadsPerMultiProcessor}})
+    if (cudaError_t e = cudaDeviceGetAttribute(value, attr, device); e != cudaSuccess) return e;
+  *shape = {1, per_warp + shared};
+  size_t best = 0;
+  for (int w = 1; w <= kMaxWarpsPerBlock; ++w) {
+    const size_t smem = per_warp * w + shared;
+    if (smem > static_cast<size_t>(optin)) break;
+    const size_t blocks = std::min<size_t>(sm / (smem + reserved), max_blocks);
+    const size_t resident = std::min<size_t>(blocks * w, max_threads / 32);
+    if (resident > best) {  // ties: the smaller block (less waiting for its slowest warp)
+      best = resident;
+      *shape = {w, smem};
+    }
+  }
+  return cudaSuccess;
+}
+
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, const SmallSeqArgs& a, BlockShape shape, size_t per_warp,
+                   Params p, cudaStream_t stream) {
+  const int64_t tasks = a.batch * a.kv_heads;
+  if (tasks == 0) return cudaSuccess;
+  if (shape.smem > kDefaultSmemBytes) {  // large GQA groups at D = 512, some forward shapes
     int device = 0, optin = 0;
     if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
     if (cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                device);
         e != cudaSuccess)
       return e;
-    if (smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;
+    if (shape.smem > static_cast<size_t>(optin)) return cudaErrorInvalidValue;
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem));
+                                             static_cast<int>(shape.smem));
         e != cudaSuccess)
       return e;
   }
-  const int64_t blocks = (tasks + warps - 1) / warps;
+  const int64_t blocks = (tasks + shape.warps - 1) / shape.warps;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   p.warp_smem = static_cast<int>(per_warp);
-  kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), shape.warps * 32, shape.smem, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename Kernel>
+cudaError_t launch_default(Kernel kernel, const SmallSeqArgs& a, Pass pass, const Params& p,
+                           cudaStream_t stream) {
+  const size_t per_warp = warp_smem_bytes(a, pass);
+  return launch(kernel, a, default_shape(per_warp), per_warp, p, stream);
 }
 
 bool valid_args(const SmallSeqArgs& a) {
@@ -471,14 +769,26 @@ Params make_params(const SmallSeqArgs& a) {
   return p;
 }
 
+// JAXCP_SMALL_SEQ_FWD_V1 (non-empty, not "0") selects the CUDA-core forward, for A/B runs. Read
+// at every launch so that one process (a test, a benchmark) can switch between calls.
+bool fwd_v1_selected() {
+  const char* env = std::getenv("JAXCP_SMALL_SEQ_FWD_V1");
+  return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
+}
+
 template <typename T, int D>
 cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  return launch(small_seq_fwd_kernel<T, D>, a, false, p, s);
+  if (fwd_v1_selected()) return launch_default(small_seq_fwd_kernel<T, D>, a, Pass::kFwdV1, p, s);
+  const size_t per_warp = warp_smem_bytes(a, Pass::kFwd);
+  BlockShape shape;
+  if (cudaError_t e = occupancy_shape(per_warp, row_bytes(a), &shape); e != cudaSuccess) return e;
+  if (a.max_len <= 8) return launch(small_seq_fwd_mma_kernel<T, D, 1>, a, shape, per_warp, p, s);
+  return launch(small_seq_fwd_mma_kernel<T, D, 2>, a, shape, per_warp, p, s);
 }
 
 template <typename T, int D>
 cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  return launch(small_seq_bwd_kernel<T, D>, a, true, p, s);
+  return launch_default(small_seq_bwd_kernel<T, D>, a, Pass::kBwd, p, s);
 }
 
 template <typename T>

@@ -1,0 +1,443 @@
+// Backward dK/dV (+ atomic dQ) kernel for Hopper (sm_90a), on wgmma and TMA.
+//
+// One CTA owns one key tile of 128 keys of one kv head (or a split of its GQA group), the same
+// blocks and tile plan as the sm_80 dK/dV kernel (bwd_block). A producer warpgroup loads K and V
+// once and streams the query tiles (Q + lse, dO + delta; 64 queries each) that the plan does not
+// skip through two 2-stage TMA pipelines. Two consumer warpgroups own 64 keys each and compute
+// everything transposed, keys as rows, so that P and dS come out of the tensor cores already in
+// the register layout of the next GEMM's A operand:
+//   S^T = K Q^T, dP^T = V dO^T                       (shared-memory wgmma)
+//   P^T = exp2(S^T scale log2e - lse2), dS^T = P^T (dP^T - delta)
+//   dV += P^T dO, dK += dS^T Q                        (register-A wgmma, accumulators in registers)
+//   dQ_tile = dS K                                    (dS^T through shared memory, both warpgroups)
+// dQ_tile goes through shared memory into a float32 accumulator in global memory by one bulk
+// reduce-add per warpgroup (cp.reduce.async.bulk: no per-element atomics). The accumulator keeps
+// each tile in the warpgroups' register-fragment order (contiguous, conflict-free shared-memory
+// writes); bwd_sm90_dq_convert_kernel maps it back to [B, Sq, Hq, D], scaled, in the dtype.
+#include <climits>
+
+#include "attention_bwd.cuh"
+
+#include "attention_sm90.cuh"
+
+namespace jaxcp::cuda {
+namespace detail {
+
+template <class Element_, int kHeadDim>
+struct BwdSm90Traits {
+  using Element = Element_;
+  static constexpr int kD = kHeadDim, kBM = kBwdBlockM, kBN = 128, kStages = 2;
+  static_assert(kBN == bwd_block_n(kHeadDim), "the host plan's key tiles");
+  static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+  static constexpr int kConsumerThreads = 256;
+
+  // Keys as rows: one 64-key slab per consumer warpgroup.
+  using AtomRows = Layout<Shape<_2, _1, _1>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kBM>, Int<kD>>>(), AtomRows{}));
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kD>, Int<kBM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomRows{}));
+  // dQ (queries x D): the warpgroups split D.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kD / 2>, Int<kBN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  using SmemAtomK = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStages>>{}));
+  // Q and dO read as the (D, queries) B operand of dK / dV: the same bytes, MN-major.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kD>, Int<kBM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBN>, Int<kD>>{}));
+  using SmemLayoutKt = decltype(composition(SmemLayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>>{},
+                                                                                 Step<_2, _1>{})));
+  // dS as the (queries, keys) A operand of dQ, queries contiguous; double-buffered so one
+  // warpgroup can write the next tile's dS while the other still reads this one.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBM>, Int<kBN>, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, _2>{}, Step<_2, _1, _3>{})));
+
+  using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (token, d, head, batch)
+  using StrideG = cute::Stride<int64_t, _1, int64_t, int64_t>;
+  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeG{}, StrideG{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                     Shape<Int<kBM>, Int<kD>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutKV{},
+                                      Shape<Int<kBN>, Int<kD>>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kRowBytes = kBM * sizeof(float);  // lse2 or delta of one query tile
+  static constexpr uint32_t kQStageBytes = kBM * kD * sizeof(Element) + kRowBytes;
+  static constexpr uint32_t kKVBytes = 2 * kBN * kD * sizeof(Element);
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]
+    cute::array_aligned<float, kBM * kStages, 128> lse2;
+    cute::array_aligned<float, kBM * kStages, 128> delta;
+    typename Pipeline::SharedStorage pipe_q, pipe_do;
+    alignas(8) uint64_t kv_full;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+};
+
+// dQ tile of (b, h, query tile m) in the float32 accumulator: kBM * kD floats, fragment order.
+__forceinline__ __device__ int64_t dq_tile_offset(const BwdParams& p, int b, int h, int m, int tile_elems) {
+  return ((static_cast<int64_t>(b) * p.Hq + h) * p.nq + m) * tile_elems;
+}
+
+__forceinline__ __device__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
+#if JAXCP_SM90_DEVICE
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+               "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+template <class KT>
+struct BwdSm90Params {
+  BwdParams p;
+  typename KT::TmaQ tma_q, tma_do;
+  typename KT::TmaKV tma_k, tma_v;
+};
+
+template <class KT>
+__global__ void __launch_bounds__(KT::kThreads, 1)
+    attention_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params<KT> P) {
+#if JAXCP_SM90_DEVICE
+  using Element = typename KT::Element;
+  constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD;
+  using SharedStorage = typename KT::SharedStorage;
+  using Pipeline = typename KT::Pipeline;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  extern __shared__ char smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const BwdParams& p = P.p;
+
+  const int warp_group = threadIdx.x / 128;
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = KT::kQStageBytes;
+  pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = KT::kConsumerThreads;
+  Pipeline pipe_q(ss.pipe_q, pp, Shape<_1, _1, _1>{});
+  Pipeline pipe_do(ss.pipe_do, pp, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) TxBarrier::init(&ss.kv_full, 1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  const BwdBlock w = bwd_block<BN>(p, blockIdx.x);
+  int cls_first = kSkip;
+  const int i_first = bwd_next_q<BM>(p, w, w.range.x, cls_first);  // the same for every head
+  const bool any_work = w.h_begin < w.h_end && i_first < w.range.y;
+  // Steps run over (head, query tile): the query tiles of each head of the block's group.
+  auto next_step = [&](int& h, int& i, int& c) {
+    i = bwd_next_q<BM>(p, w, i + 1, c);
+    if (i >= w.range.y) {
+      ++h;
+      i = i_first;
+      c = cls_first;
+    }
+    return h < w.h_end;
+  };
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
+
+  if (warp_group == 0) {
+    // ---------------- producer: one thread issues every load ----------------
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x != 0 || !any_work) return;
+    const int Sq = static_cast<int>(p.Sq), Skv = static_cast<int>(p.Skv), B = static_cast<int>(p.B);
+    Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
+    Tensor mdO = P.tma_do.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
+    Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, p.Hkv, B));
+    Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, D, p.Hkv, B));
+    {
+      Tensor gK = local_tile(mK(_, _, w.hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(w.n_block, _0{}));
+      Tensor gV = local_tile(mV(_, _, w.hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(w.n_block, _0{}));
+      auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      TxBarrier::arrive_and_expect_tx(&ss.kv_full, KT::kKVBytes);
+      copy(P.tma_k.with(ss.kv_full, 0), tKg, tKs);
+      copy(P.tma_v.with(ss.kv_full, 0), tVg, tVs);
+    }
+    auto write = cutlass::make_producer_start_state<Pipeline>();
+    int h = w.h_begin, i = i_first, c = cls_first;
+    do {
+      const int st = write.index();
+      const int64_t rows = (static_cast<int64_t>(w.b) * p.Hq + h) * p.sq_pad + static_cast<int64_t>(i) * BM;
+      Tensor gQ = local_tile(mQ(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
+      auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, st)), group_modes<0, 2>(gQ));
+      auto [tdOg, tdOs] = tma_partition(P.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO(_, _, st)), group_modes<0, 2>(gdO));
+      pipe_q.producer_acquire(write);
+      uint64_t* bar_q = pipe_q.producer_get_barrier(write);
+      copy(P.tma_q.with(*bar_q, 0), tQg, tQs);
+      SM90_BULK_COPY_G2S::copy(p.lse2 + rows, bar_q, ss.lse2.data() + st * BM, KT::kRowBytes);
+      pipe_do.producer_acquire(write);
+      uint64_t* bar_do = pipe_do.producer_get_barrier(write);
+      copy(P.tma_do.with(*bar_do, 0), tdOg, tdOs);
+      SM90_BULK_COPY_G2S::copy(p.delta + rows, bar_do, ss.delta.data() + st * BM, KT::kRowBytes);
+      ++write;
+    } while (next_step(h, i, c));
+    return;
+  }
+
+  // ---------------- consumers: 2 warpgroups x 64 keys ----------------
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int tidx = threadIdx.x - 128, wg = tidx / 128, t_wg = tidx % 128;
+  typename KT::TiledMmaSdP mma_sdp;
+  typename KT::TiledMmadKV mma_dkv;
+  typename KT::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdSt{});
+
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stages)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
+  Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, 2)
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+  Tensor tdSsdS = thr_sdp.partition_C(sdSt);          // (MMA, MMA_M, MMA_N, 2)
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
+  Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+  Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+  Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol_sm90(acc_s.layout()));
+  Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol_sm90(acc_dp.layout()));
+  Tensor rP = make_fragment_like<Element>(acc_s);
+  Tensor rdS = make_fragment_like<Element>(acc_dp);
+  Tensor tdVrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
+  Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_sm90(rdS.layout()));
+
+  Tensor cS = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
+  Tensor tScS = thr_sdp.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_sm90(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;  // keys of this thread
+  constexpr int kCols = decltype(size<1>(tScS_rc))::value;  // queries of this thread
+  clear(acc_dk);
+  clear(acc_dv);
+
+  if (any_work) {
+    ColMask cm[kRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      const int r = get<0>(tScS_rc(mi, 0));
+      const bool valid = r < w.kv_rows;
+      const int64_t idx = static_cast<int64_t>(w.b) * p.Skv + w.k0 + (valid ? r : 0);
+      cm[mi] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx], p.mask);
+    }
+    TxBarrier::wait(&ss.kv_full, 0);
+    typename Pipeline::PipelineState read;
+    int h = w.h_begin, i = i_first, c = cls_first, ds_stage = 0;
+    do {
+      const int st = read.index();
+      const int64_t q0 = static_cast<int64_t>(i) * BM;
+      const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
+      pipe_q.consumer_wait(read);
+      wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), acc_s);
+      pipe_do.consumer_wait(read);
+      wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), acc_dp);
+      const float* lse2 = ss.lse2.data() + st * BM;
+      const float* delta = ss.delta.data() + st * BM;
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_s);
+      // P^T, masked on partial tiles (rows past the sequence ends are masked there too, and
+      // their lse2 is +inf).
+      CUTE_UNROLL
+      for (int ni = 0; ni < kCols; ++ni) {
+        const int col = get<1>(tScS_rc(0, ni));
+        const float l = lse2[col];
+        RowMask rm{0, 0, 0, 0};
+        if (c == kPartial) {
+          const bool valid = col < q_rows;
+          const int64_t idx = static_cast<int64_t>(w.b) * p.Sq + q0 + (valid ? col : 0);
+          rm = make_row_mask(valid, __ldg(p.q_seg + idx), __ldg(p.q_pos + idx), p.mask);
+        }
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          const bool ok = c != kPartial || allowed(rm, cm[mi]);
+          s_rc(mi, ni) = ok ? exp2f(fmaf(s_rc(mi, ni), p.scale_log2, -l)) : 0.f;
+        }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dp);
+      CUTE_UNROLL
+      for (int ni = 0; ni < kCols; ++ni) {
+        const float dl = delta[get<1>(tScS_rc(0, ni))];
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) dp_rc(mi, ni) = s_rc(mi, ni) * (dp_rc(mi, ni) - dl);
+      }
+      convert_into(rP, acc_s);
+      convert_into(rdS, acc_dp);
+      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), acc_dv);
+      wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+      // dS^T -> shared memory (both warpgroups' keys), then dQ = dS K.
+      Tensor tdSsdS_st = tdSsdS(_, _, _, ds_stage);
+      CUTE_UNROLL
+      for (int e = 0; e < size(rdS); ++e) tdSsdS_st(e) = rdS(e);
+      cutlass::arch::fence_view_async_shared();
+      if (t_wg == 0) tma_store_wait<0>();  // the last bulk reduce has read this warpgroup's dQ
+      cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1);
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
+      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(acc_dq);
+      pipe_q.consumer_release(read);
+      pipe_do.consumer_release(read);
+      ++read;
+      ds_stage ^= 1;
+      // dQ += dS K (unscaled): this warpgroup's fragments -> shared -> one bulk reduce-add.
+      constexpr int kChunks = decltype(size(acc_dq))::value / 4;
+      float4* sdq = reinterpret_cast<float4*>(ss.dq.data()) + wg * kChunks * 128;
+      CUTE_UNROLL
+      for (int ch = 0; ch < kChunks; ++ch)
+        sdq[ch * 128 + t_wg] = make_float4(acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(128, 2 + wg);
+      if (t_wg == 0) {
+        float* gdq = p.dq_accum + dq_tile_offset(p, w.b, h, i, BM * D) + wg * kChunks * 128 * 4;
+        bulk_reduce_add_f32(gdq, reinterpret_cast<const float*>(sdq), kChunks * 128 * 16);
+        tma_store_arrive();
+      }
+    } while (next_step(h, i, c));
+    if (t_wg == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
+
+  // Epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO (zeros when the block had no work).
+  Tensor cKV = make_identity_tensor(Shape<Int<BN>, Int<D>>{});
+  Tensor tc = thr_dkv.partition_C(cKV);
+  Tensor tc_rc = make_tensor(tc.data(), acc_rowcol_sm90(tc.layout()));
+  Tensor dk_rc = make_tensor(acc_dk.data(), acc_rowcol_sm90(acc_dk.layout()));
+  Tensor dv_rc = make_tensor(acc_dv.data(), acc_rowcol_sm90(acc_dv.layout()));
+  const int64_t out_off = (static_cast<int64_t>(w.b) * p.Skv + w.k0) * p.kv_row + static_cast<int64_t>(w.hk) * D;
+  const int64_t part = static_cast<int64_t>(w.split) * p.B * p.Skv * p.kv_row;
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(dk_rc); ++mi) {
+    const int r = get<0>(tc_rc(mi, 0));
+    if (r >= w.kv_rows) continue;
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(dk_rc); ni += 2) {
+      const int64_t o = out_off + r * p.kv_row + get<1>(tc_rc(mi, ni));
+      if (p.splits == 1) {
+        store_pair(static_cast<Element*>(p.dk) + o, dk_rc(mi, ni) * p.scale, dk_rc(mi, ni + 1) * p.scale);
+        store_pair(static_cast<Element*>(p.dv) + o, dv_rc(mi, ni), dv_rc(mi, ni + 1));
+      } else {
+        *reinterpret_cast<float2*>(p.dk_part + part + o) =
+            make_float2(dk_rc(mi, ni) * p.scale, dk_rc(mi, ni + 1) * p.scale);
+        *reinterpret_cast<float2*>(p.dv_part + part + o) = make_float2(dv_rc(mi, ni), dv_rc(mi, ni + 1));
+      }
+    }
+  }
+#endif
+}
+
+// dq[b, q0 + r, h, :] = Element(scale * accumulator), from the fragment-ordered float32 tiles
+// (tiles the dK/dV blocks never touched hold the memset's zeros). One block per query tile.
+template <class KT>
+__global__ void __launch_bounds__(256) bwd_sm90_dq_convert_kernel(const BwdParams p) {
+#if JAXCP_SM90_DEVICE
+  using Element = typename KT::Element;
+  constexpr int BM = KT::kBM, D = KT::kD;
+  const int m = static_cast<int>(blockIdx.x % p.nq);
+  const int h = static_cast<int>(blockIdx.x / p.nq % p.Hq);
+  const int b = static_cast<int>(blockIdx.x / p.nq / p.Hq);
+  const int tidx = threadIdx.x, wg = tidx / 128, t_wg = tidx % 128;
+  typename KT::TiledMmadQ mma_dq;
+  Tensor tc = mma_dq.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+  constexpr int kChunks = decltype(size(tc))::value / 4;
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + dq_tile_offset(p, b, h, m, BM * D)) +
+                      wg * kChunks * 128 + t_wg;
+  const int64_t q0 = static_cast<int64_t>(m) * BM;
+  const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
+  Element* dq = static_cast<Element*>(p.dq) + (static_cast<int64_t>(b) * p.Sq + q0) * p.q_row +
+                static_cast<int64_t>(h) * D;
+  CUTE_UNROLL
+  for (int ch = 0; ch < kChunks; ++ch) {
+    const float4 v = src[ch * 128];
+    const auto c0 = tc(4 * ch), c2 = tc(4 * ch + 2);  // (row, col) and (row + 8, col); +1: next col
+    if (get<0>(c0) < q_rows) store_pair(dq + get<0>(c0) * p.q_row + get<1>(c0), v.x * p.scale, v.y * p.scale);
+    if (get<0>(c2) < q_rows) store_pair(dq + get<0>(c2) * p.q_row + get<1>(c2), v.z * p.scale, v.w * p.scale);
+  }
+#endif
+}
+
+template <class KT>
+cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
+  using Element = typename KT::Element;
+  constexpr int D = KT::kD;
+  auto g = [&](const void* ptr, int64_t len, int heads) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_shape(static_cast<int32_t>(len), int32_t(D), static_cast<int32_t>(heads),
+                                  static_cast<int32_t>(p.B)),
+                       make_stride(static_cast<int64_t>(heads) * D, _1{}, int64_t(D),
+                                   static_cast<int64_t>(heads) * D * len));
+  };
+  BwdSm90Params<KT> P;
+  P.p = p;
+  auto q_smem = take<0, 2>(typename KT::SmemLayoutQ{});
+  P.tma_q = make_tma_copy(SM90_TMA_LOAD{}, g(p.q, p.Sq, p.Hq), q_smem, Shape<Int<KT::kBM>, Int<D>>{}, _1{});
+  P.tma_do = make_tma_copy(SM90_TMA_LOAD{}, g(p.dout, p.Sq, p.Hq), q_smem, Shape<Int<KT::kBM>, Int<D>>{}, _1{});
+  P.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g(p.k, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
+                          Shape<Int<KT::kBN>, Int<D>>{}, _1{});
+  P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, g(p.v, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
+                          Shape<Int<KT::kBN>, Int<D>>{}, _1{});
+  auto kernel = attention_bwd_sm90_kernel<KT>;
+  static unsigned smem_done = 0;
+  cudaError_t err = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), KT::kSmemBytes, &smem_done);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = p.B * p.nkv * p.Hkv * p.splits;
+  if (blocks > INT_MAX) return cudaErrorInvalidValue;
+  kernel<<<static_cast<unsigned>(blocks), KT::kThreads, KT::kSmemBytes, stream>>>(P);
+  if ((err = cudaGetLastError())) return err;
+  const int64_t q_tiles = p.B * p.Hq * p.nq;
+  if (q_tiles > INT_MAX) return cudaErrorInvalidValue;
+  bwd_sm90_dq_convert_kernel<KT><<<static_cast<unsigned>(q_tiles), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class Element>
+cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream) {
+  switch (d) {
+    case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64>>(p, stream);
+    case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128>>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace detail
+
+bool bwd_use_sm90(const AttentionArgs& a) {
+  if (a.deterministic || sm90_disabled_by_env()) return false;
+  if (a.shape.head_dim != 64 && a.shape.head_dim != 128) return false;
+  return sm90_kernels_available();
+}
+
+cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? detail::dispatch_bwd_sm90<cutlass::bfloat16_t>(p, d, stream)
+                               : detail::dispatch_bwd_sm90<cutlass::half_t>(p, d, stream);
+}
+
+}  // namespace jaxcp::cuda

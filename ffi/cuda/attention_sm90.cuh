@@ -1,0 +1,67 @@
+// Building blocks shared by the sm_90a (Hopper) kernels, private to ffi/cuda/*.cu: warpgroup
+// GEMM issue, accumulator layout views and register conversions. Include after
+// attention_device.cuh (cute/tensor.hpp must come first).
+#pragma once
+#include "attention_device.cuh"
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAXCP_SM90_DEVICE 1
+#else
+#define JAXCP_SM90_DEVICE 0
+#endif
+
+namespace jaxcp::cuda::detail {
+
+// wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)) = (rows, cols).
+template <class L>
+__forceinline__ __device__ auto acc_rowcol_sm90(L const& l) {
+  static_assert(decltype(rank<0>(l))::value == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// wgmma accumulator of S (64 x N per warpgroup) -> register A operand of the P V wgmma
+// ((2, 2, 2), MMA_M, N/16): two adjacent 8-column blocks form one k16 slice.
+template <class L>
+__forceinline__ __device__ auto acc_as_A_sm90(L const& l) {
+  static_assert(decltype(rank<0>(l))::value == 3);
+  auto n = logical_divide(get<0, 2>(l), Tile<_2>{});
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(n)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(n), get<2>(l))));
+}
+
+// Issues one warpgroup GEMM on the tensor cores (every k-slice) and commits it as one batch;
+// the caller waits with warpgroup_wait<N>() and then fences the accumulator.
+template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+__forceinline__ __device__ void wgmma_issue(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
+  constexpr bool kRegA = !cute::is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tA));
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tA); ++k) {
+    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// dst (16-bit registers) = src (float registers), same layout.
+template <class TD, class TS>
+__forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
+  using To = typename TD::value_type;
+  constexpr int n = decltype(size(src))::value;
+  cutlass::NumericArrayConverter<To, float, n> op;
+  *reinterpret_cast<cutlass::Array<To, n>*>(dst.data()) =
+      op(*reinterpret_cast<const cutlass::Array<float, n>*>(src.data()));
+}
+
+}  // namespace jaxcp::cuda::detail

@@ -1,0 +1,154 @@
+"""GPU tests of the two CUDA small-seq forward kernels: the tensor-core forward (the default) and
+the CUDA-core v1 forward (JAXCP_SMALL_SEQ_FWD_V1=1, read by the launcher at every launch).
+
+Both must agree with each other and with the pure-JAX reference: outputs, saved probabilities,
+zero-length rows (output and probabilities exactly zero), clamped lengths / starts, key masks,
+GQA groups (also over 16 heads: several head tiles), head dims 64..512, bfloat16 and float16.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcp._src import registry
+from jaxcp._src.small_seq import SmallSeqConfig, local_fwd, small_seq_reference
+
+ENV = "JAXCP_SMALL_SEQ_FWD_V1"
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+PAIR_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}  # new vs v1: both float32 math, rounded once
+
+
+def _rand(rng, shape, dtype):
+  return jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def _forward(monkeypatch, variant, q, k, v, index, config):
+  """(out, probs) as float32 numpy arrays from the named forward kernel."""
+  if variant == "v1":
+    monkeypatch.setenv(ENV, "1")
+  else:
+    monkeypatch.delenv(ENV, raising=False)
+  jax.clear_caches()  # a fresh executable, launched (and so choosing its kernel) under this env
+  registry.ensure_registered()
+  out, probs = jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, *index)
+  return np.asarray(out, np.float32), np.asarray(probs)  # synchronises while the env is set
+
+
+def _rows_close(got, want, tol, what):
+  """Per-row relative error over [B, Hq, D] rows; rows whose reference is zero must be zero."""
+  a = np.asarray(got, np.float64).reshape(-1, got.shape[-1])
+  b = np.asarray(want, np.float64).reshape(-1, want.shape[-1])
+  assert np.all(np.isfinite(a)), f"{what}: non-finite values"
+  nb = np.linalg.norm(b, axis=1)
+  floor = 0.1 * np.sqrt(np.mean(nb ** 2)) + 1e-30
+  err = np.linalg.norm(a - b, axis=1) / np.maximum(nb, floor)
+  worst = int(np.argmax(err))
+  assert err[worst] < tol, f"{what}: row {worst} relative error {err[worst]:.3g} >= {tol}"
+  np.testing.assert_array_equal(a[nb == 0], 0, err_msg=f"{what}: rows that must be zero")
+
+
+def _check(monkeypatch, dtype, q, k, v, index, config, valid):
+  """Runs both kernels; valid: bool [B, max_len], the tokens each row attends."""
+  ref_out, ref_probs = small_seq_reference(q, k, v, index, config)
+  ref_out, ref_probs = np.asarray(ref_out, np.float32), np.asarray(ref_probs)
+  got = {name: _forward(monkeypatch, name, q, k, v, index, config) for name in ("new", "v1")}
+  empty = ~valid.any(axis=1)
+  for name, (out, probs) in got.items():
+    _rows_close(out, ref_out, TOL[dtype], f"{name} out")
+    np.testing.assert_allclose(probs, ref_probs, atol=2e-3, err_msg=f"{name} probs")
+    np.testing.assert_array_equal(probs[np.broadcast_to(~valid[:, None, :], probs.shape)], 0,
+                                  err_msg=f"{name}: probabilities of tokens not attended")
+    np.testing.assert_array_equal(out[empty], 0, err_msg=f"{name}: rows without a token")
+  (out, probs), (out1, probs1) = got["new"], got["v1"]
+  _rows_close(out, out1, PAIR_TOL[dtype], "new vs v1 out")
+  np.testing.assert_allclose(probs, probs1, atol=5e-5, rtol=0, err_msg="new vs v1 probs")
+
+
+def _mask_bits(mask, s):
+  return ((np.asarray(mask)[:, None] >> np.arange(s)) & 1) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,s,hq,hkv,b", [
+    (jnp.bfloat16, 128, 16, 16, 4, 3000),  # the GQA benchmark shape
+    (jnp.bfloat16, 64, 16, 8, 8, 2000),
+    (jnp.bfloat16, 256, 8, 8, 8, 1000),    # 8 tokens: one token tile
+    (jnp.float16, 512, 11, 8, 2, 300),     # odd max_len over two token tiles
+    (jnp.bfloat16, 512, 4, 4, 4, 300),
+    (jnp.bfloat16, 128, 5, 6, 2, 1000),    # group 3, odd max_len
+    (jnp.float16, 64, 1, 2, 2, 500),
+    (jnp.bfloat16, 128, 3, 64, 2, 200),    # group 32: two head tiles
+    (jnp.float16, 256, 16, 40, 2, 100),    # group 20: a partial second head tile
+])
+def test_gpu_fwd_variants_padded(monkeypatch, dtype, d, s, hq, hkv, b):
+  rng = np.random.default_rng(31)
+  q = _rand(rng, (b, hq, d), dtype)
+  k, v = _rand(rng, (b, s, hkv, d), dtype), _rand(rng, (b, s, hkv, d), dtype)
+  lengths = rng.integers(-2, s + 3, b).astype(np.int32)  # out of range: clamped
+  lengths[:2] = (0, s)
+  mask = rng.integers(0, 1 << s, b).astype(np.int32)
+  mask[rng.random(b) < 0.5] = -1
+  mask[2] = 0  # a row with every token masked off
+  config = SmallSeqConfig(d ** -0.5, s, False)
+  valid = (np.arange(s)[None, :] < np.clip(lengths, 0, s)[:, None]) & _mask_bits(mask, s)
+  _check(monkeypatch, dtype, q, k, v, (jnp.asarray(lengths), jnp.asarray(mask)), config, valid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,hq,hkv", [(jnp.bfloat16, 128, 8, 8), (jnp.bfloat16, 64, 16, 4),
+                                            (jnp.float16, 256, 6, 2), (jnp.bfloat16, 512, 4, 1)])
+def test_gpu_fwd_variants_ragged(monkeypatch, dtype, d, hq, hkv):
+  rng = np.random.default_rng(32)
+  b = 700
+  lens = rng.integers(0, 21, b)  # zero-length rows and rows over 16 tokens
+  start = (5 + np.concatenate([[0], np.cumsum(lens)[:-1]])).astype(np.int32)
+  t = int(start[-1] + lens[-1]) + 3
+  length = lens.astype(np.int32)
+  length[3], start[4], length[5] = -4, t + 7, 40  # clamped: into [0, 16], [0, T], [0, T - start]
+  start[6], length[6] = t - 2, 9                  # runs past the last token
+  mask = np.full(b, -1, np.int32)
+  mask[::7] = rng.integers(0, 1 << 16, len(mask[::7]))
+  q = _rand(rng, (b, hq, d), dtype)
+  k, v = _rand(rng, (t, hkv, d), dtype), _rand(rng, (t, hkv, d), dtype)
+  config = SmallSeqConfig(0.7 * d ** -0.5, 16, True)
+  st = np.clip(start, 0, t)
+  ln = np.minimum(np.clip(length, 0, 16), t - st)
+  valid = (np.arange(16)[None, :] < ln[:, None]) & _mask_bits(mask, 16)
+  index = tuple(jnp.asarray(x) for x in (start, length, mask))
+  _check(monkeypatch, dtype, q, k, v, index, config, valid)
+
+
+@pytest.mark.gpu
+def test_gpu_fwd_variant_switch(monkeypatch):
+  """The env var really selects another kernel (their float32 sums differ in the last bits),
+  and a value of "0" keeps the default."""
+  rng = np.random.default_rng(33)
+  b, s, hq, hkv, d = 2000, 16, 16, 4, 128
+  q = _rand(rng, (b, hq, d), jnp.bfloat16)
+  k, v = _rand(rng, (b, s, hkv, d), jnp.bfloat16), _rand(rng, (b, s, hkv, d), jnp.bfloat16)
+  index = (jnp.full((b,), s, jnp.int32), jnp.full((b,), -1, jnp.int32))
+  config = SmallSeqConfig(d ** -0.5, s, False)
+  _, probs = _forward(monkeypatch, "new", q, k, v, index, config)
+  _, probs1 = _forward(monkeypatch, "v1", q, k, v, index, config)
+  assert not np.array_equal(probs, probs1)
+  monkeypatch.setenv(ENV, "0")
+  jax.clear_caches()
+  probs0 = np.asarray(jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, *index)[1])
+  np.testing.assert_array_equal(probs0, probs)
+
+
+@pytest.mark.gpu
+def test_gpu_fwd_million_rows(monkeypatch):
+  """2^20 rows (a large grid), both kernels, against the reference."""
+  rng = np.random.default_rng(34)
+  b, s, hq, hkv, d = 1 << 20, 2, 2, 1, 64
+  q = _rand(rng, (b, hq, d), jnp.bfloat16)
+  k, v = _rand(rng, (b, s, hkv, d), jnp.bfloat16), _rand(rng, (b, s, hkv, d), jnp.bfloat16)
+  lengths = rng.integers(0, s + 1, b).astype(np.int32)
+  mask = np.full(b, -1, np.int32)
+  config = SmallSeqConfig(d ** -0.5, s, False)
+  valid = np.arange(s)[None, :] < lengths[:, None]
+  index = (jnp.asarray(lengths), jnp.asarray(mask))
+  _check(monkeypatch, jnp.bfloat16, q, k, v, index, config, valid)
