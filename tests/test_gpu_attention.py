@@ -118,9 +118,10 @@ def test_default_implementation_picks_cuda():
 
 
 @pytest.mark.parametrize("mask", ["causal", "window", "causal_chunk"])
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_sm80_forward_kernel_on_hopper(mask, head_dim, monkeypatch):
-  """On an H100/H200 the forward runs the sm_90a kernel; the sm_80 kernel must stay correct too."""
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm80_kernels_on_hopper(mask, head_dim, monkeypatch):
+  """On an H100/H200 the forward (D 128/256) and backward (D 64/128) run sm_90a kernels; the
+  sm_80 kernels must stay correct too."""
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   rng = np.random.default_rng(3)
   seg = random_segments(rng, 2, 700, mean_doc=150)

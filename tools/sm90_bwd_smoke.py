@@ -1,6 +1,8 @@
 """Quick check of the sm_90a backward kernel against the sm_80 one and the XLA reference
 (gradients), plus fwd+bwd timings of both against cuDNN on a few benchmark shapes (a development
-aid; tests/test_gpu_attention.py is the real test).   python tools/sm90_bwd_smoke.py [--no-timing]"""
+aid; tests/test_gpu_attention.py is the real test).
+  python tools/sm90_bwd_smoke.py [--no-timing | --timing-only] [--variant NAME=VAR=VALUE ...]
+--variant adds a timing column with an environment variable set (A/B of kernel switches)."""
 import os
 import sys
 
@@ -59,7 +61,20 @@ def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, empty_
         f"rel err sm90/sm80 d{errs}; nan {nan}", flush=True)
 
 
-def timing(name, b, s, mean_doc, hq, hkv, d, window=None):
+def timed_with_env(env, make, *args):
+  old = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  try:
+    return common.time_fn(make(), *args)
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+def timing(name, b, s, mean_doc, hq, hkv, d, window=None, variants=()):
   rng = np.random.default_rng(0)
   rows = common.packed_rows(rng, b, s, mean_doc)
   seg, pos = common.segments_and_positions(rows, s)
@@ -78,30 +93,31 @@ def timing(name, b, s, mean_doc, hq, hkv, d, window=None):
       q, k, v, segment_ids=jnp.asarray(seg), positions=jnp.asarray(pos), is_causal=True,
       local_window_size=w, implementation="cuda"))
   t90 = common.time_fn(mk(), q, k, v)
-  os.environ["JAXCP_DISABLE_SM90"] = "1"
-  t80 = common.time_fn(mk(), q, k, v)
-  del os.environ["JAXCP_DISABLE_SM90"]
+  t80 = timed_with_env({"JAXCP_DISABLE_SM90": "1"}, mk, q, k, v)
+  extra = "".join(f", {vn} {flops / timed_with_env({var: val}, mk, q, k, v) / 1e12:.0f}"
+                  for vn, var, val in variants)
   import bench_attention as ba
   case = ba.Case(name, b, s, mean_doc, q_heads=hq, kv_heads=hkv, head_dim=d, window=window)
   t_cudnn = common.time_fn(loss(ba._cudnn_packed(case, rows, jnp.bfloat16)), q, k, v)
-  print(f"{name} fwd+bwd: sm90 {flops / t90 / 1e12:.0f} TFLOP/s, sm80 {flops / t80 / 1e12:.0f}, "
+  print(f"{name} fwd+bwd: sm90 {flops / t90 / 1e12:.0f} TFLOP/s, sm80 {flops / t80 / 1e12:.0f}{extra}, "
         f"cudnn {flops / t_cudnn / 1e12:.0f}: sm90/cudnn {t_cudnn / t90:.2f}", flush=True)
 
 
 if __name__ == "__main__":
   print(jax.devices())
-  for d in (64, 128):
-    for mask in (dict(is_causal=True), dict(), dict(local_window_size=(37, 11)), dict(is_causal=True, chunk_size=100)):
-      check(d, mask)
-  check(128, dict(is_causal=True), dtype=jnp.float16)
-  check(128, dict(), skv=333)
-  check(128, dict(is_causal=True), hq=8, hkv=1)
-  check(128, dict(is_causal=True), hq=16, hkv=2, b=1, s=300)  # GQA split over blocks
-  check(64, dict(is_causal=True), s=5)
-  check(128, dict(is_causal=True), empty_tail=90)
+  variants = [tuple(a.split("=", 2)) for i, a in enumerate(sys.argv) if i and sys.argv[i - 1] == "--variant"]
+  if "--timing-only" not in sys.argv:
+    for d in (64, 128):
+      for mask in (dict(is_causal=True), dict(), dict(local_window_size=(37, 11)), dict(is_causal=True, chunk_size=100)):
+        check(d, mask)
+    check(128, dict(is_causal=True), dtype=jnp.float16)
+    check(128, dict(), skv=333)
+    check(128, dict(is_causal=True), hq=8, hkv=1)
+    check(128, dict(is_causal=True), hq=16, hkv=2, b=1, s=300)  # GQA split over blocks
+    check(64, dict(is_causal=True), s=5)
+    check(128, dict(is_causal=True), empty_tail=90)
   if "--no-timing" not in sys.argv:
-    timing("2x8k doc1k", 2, 8192, 1024, 16, 16, 128)
-    timing("2x8k doc1k D64", 2, 8192, 1024, 16, 16, 64)
-    timing("4x16k doc4k", 4, 16384, 4096, 16, 16, 128)
-    timing("4x16k doc4k 32/8", 4, 16384, 4096, 32, 8, 128)
-    timing("1x128k doc8k", 1, 131072, 8192, 16, 16, 128)
+    for case in (("2x8k doc1k", 2, 8192, 1024, 16, 16, 128), ("2x8k doc1k D64", 2, 8192, 1024, 16, 16, 64),
+                 ("4x16k doc4k", 4, 16384, 4096, 16, 16, 128), ("4x16k doc4k 32/8", 4, 16384, 4096, 32, 8, 128),
+                 ("1x128k doc8k", 1, 131072, 8192, 16, 16, 128)):
+      timing(*case, variants=variants)

@@ -23,10 +23,10 @@
 namespace jaxcp::cuda {
 namespace detail {
 
-template <class Element_, int kHeadDim>
+template <class Element_, int kHeadDim, int kStages_>
 struct BwdSm90Traits {
   using Element = Element_;
-  static constexpr int kD = kHeadDim, kBM = kBwdBlockM, kBN = 128, kStages = 2;
+  static constexpr int kD = kHeadDim, kBM = kBwdBlockM, kBN = 128, kStages = kStages_;
   static_assert(kBN == bwd_block_n(kHeadDim), "the host plan's key tiles");
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumerThreads = 256;
@@ -86,6 +86,7 @@ struct BwdSm90Traits {
     alignas(8) uint64_t kv_full;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
 
 // dQ tile of (b, h, query tile m) in the float32 accumulator: kBM * kD floats, fragment order.
@@ -228,6 +229,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor rP = make_fragment_like<Element>(acc_s);
   Tensor rdS = make_fragment_like<Element>(acc_dp);
   Tensor tdVrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
+  Tensor p_rc = make_tensor(rP.data(), acc_rowcol_sm90(rP.layout()));
   Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_sm90(rdS.layout()));
 
   Tensor cS = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
@@ -280,22 +282,26 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           s_rc(mi, ni) = ok ? exp2f(fmaf(s_rc(mi, ni), p.scale_log2, -l)) : 0.f;
         }
       }
-      warpgroup_wait<0>();
+      // dV += P^T dO runs on the tensor cores while dS is computed (from the 16-bit P, which frees
+      // the float32 scores' registers; dS is rounded to 16 bits anyway).
+      convert_into(rP, acc_s);
+      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), acc_dv);
+      warpgroup_wait<1>();
       warpgroup_fence_operand(acc_dp);
       CUTE_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
         const float dl = delta[get<1>(tScS_rc(0, ni))];
         CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) dp_rc(mi, ni) = s_rc(mi, ni) * (dp_rc(mi, ni) - dl);
+        for (int mi = 0; mi < kRows; ++mi) dp_rc(mi, ni) = static_cast<float>(p_rc(mi, ni)) * (dp_rc(mi, ni) - dl);
       }
-      convert_into(rP, acc_s);
       convert_into(rdS, acc_dp);
-      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), acc_dv);
       wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
-      // dS^T -> shared memory (both warpgroups' keys), then dQ = dS K.
+      // dS^T -> shared memory (both warpgroups' keys), then dQ = dS K. Fragment elements 2e and
+      // 2e + 1 are adjacent queries, adjacent in the query-major dS: one 32-bit store per pair.
       Tensor tdSsdS_st = tdSsdS(_, _, _, ds_stage);
       CUTE_UNROLL
-      for (int e = 0; e < size(rdS); ++e) tdSsdS_st(e) = rdS(e);
+      for (int e = 0; e < size(rdS) / 2; ++e)
+        *reinterpret_cast<uint32_t*>(&tdSsdS_st(2 * e)) = reinterpret_cast<const uint32_t*>(rdS.data())[e];
       cutlass::arch::fence_view_async_shared();
       if (t_wg == 0) tma_store_wait<0>();  // the last bulk reduce has read this warpgroup's dQ
       cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1);
@@ -421,8 +427,8 @@ cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
 template <class Element>
 cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream) {
   switch (d) {
-    case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64>>(p, stream);
-    case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128>>(p, stream);
+    case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64, 2>>(p, stream);
+    case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128, 2>>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }
