@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import jax
 import jax.numpy as jnp
 
 
@@ -65,3 +66,35 @@ def numpy_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, causal=False, wind
         out[bi, i, h] = (p / p.sum()) @ v[bi, allowed, g]
         lse[bi, h, i] = m + np.log(p.sum())
   return out, lse
+
+
+def rand(rng: np.random.Generator, shape, dtype, scale: float = 1.0):
+  return jnp.asarray(scale * rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def rows_close(got, want, tol, what, *, rows_leading=False):
+  """Per-row relative error (rows over the last axis, or over the leading axis with
+  rows_leading); rows whose reference is zero must be exactly zero."""
+  a = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+  shape = (a.shape[0], -1) if rows_leading else (-1, a.shape[-1])
+  a, b = a.reshape(shape), b.reshape(shape)
+  assert np.all(np.isfinite(a)), f"{what}: non-finite values"
+  nb = np.linalg.norm(b, axis=1)
+  floor = 0.1 * np.sqrt(np.mean(nb ** 2)) + 1e-30
+  err = np.linalg.norm(a - b, axis=1) / np.maximum(nb, floor)
+  worst = int(np.argmax(err))
+  assert err[worst] < tol, f"{what}: row {worst} relative error {err[worst]:.3g} >= {tol}"
+  np.testing.assert_array_equal(a[nb == 0], 0, err_msg=f"{what}: rows that must be zero")
+
+
+def use_kernel_variant(monkeypatch, env: str, v1: bool):
+  """Selects a CUDA kernel by its environment switch (read by the launcher at every launch) and
+  drops JAX's caches, so the next call builds and launches a fresh executable under it."""
+  from jaxcp._src import registry
+  if v1:
+    monkeypatch.setenv(env, "1")
+  else:
+    monkeypatch.delenv(env, raising=False)
+  jax.clear_caches()
+  registry.ensure_registered()

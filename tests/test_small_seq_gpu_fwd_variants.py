@@ -12,41 +12,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcp._src import registry
 from jaxcp._src.small_seq import SmallSeqConfig, local_fwd, small_seq_reference
+
+from .helpers import rand, rows_close, use_kernel_variant
 
 ENV = "JAXCP_SMALL_SEQ_FWD_V1"
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 PAIR_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}  # new vs v1: both float32 math, rounded once
 
 
-def _rand(rng, shape, dtype):
-  return jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype)
-
-
 def _forward(monkeypatch, variant, q, k, v, index, config):
   """(out, probs) as float32 numpy arrays from the named forward kernel."""
-  if variant == "v1":
-    monkeypatch.setenv(ENV, "1")
-  else:
-    monkeypatch.delenv(ENV, raising=False)
-  jax.clear_caches()  # a fresh executable, launched (and so choosing its kernel) under this env
-  registry.ensure_registered()
+  use_kernel_variant(monkeypatch, ENV, variant == "v1")
   out, probs = jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, *index)
   return np.asarray(out, np.float32), np.asarray(probs)  # synchronises while the env is set
-
-
-def _rows_close(got, want, tol, what):
-  """Per-row relative error over [B, Hq, D] rows; rows whose reference is zero must be zero."""
-  a = np.asarray(got, np.float64).reshape(-1, got.shape[-1])
-  b = np.asarray(want, np.float64).reshape(-1, want.shape[-1])
-  assert np.all(np.isfinite(a)), f"{what}: non-finite values"
-  nb = np.linalg.norm(b, axis=1)
-  floor = 0.1 * np.sqrt(np.mean(nb ** 2)) + 1e-30
-  err = np.linalg.norm(a - b, axis=1) / np.maximum(nb, floor)
-  worst = int(np.argmax(err))
-  assert err[worst] < tol, f"{what}: row {worst} relative error {err[worst]:.3g} >= {tol}"
-  np.testing.assert_array_equal(a[nb == 0], 0, err_msg=f"{what}: rows that must be zero")
 
 
 def _check(monkeypatch, dtype, q, k, v, index, config, valid):
@@ -56,13 +35,13 @@ def _check(monkeypatch, dtype, q, k, v, index, config, valid):
   got = {name: _forward(monkeypatch, name, q, k, v, index, config) for name in ("new", "v1")}
   empty = ~valid.any(axis=1)
   for name, (out, probs) in got.items():
-    _rows_close(out, ref_out, TOL[dtype], f"{name} out")
+    rows_close(out, ref_out, TOL[dtype], f"{name} out")
     np.testing.assert_allclose(probs, ref_probs, atol=2e-3, err_msg=f"{name} probs")
     np.testing.assert_array_equal(probs[np.broadcast_to(~valid[:, None, :], probs.shape)], 0,
                                   err_msg=f"{name}: probabilities of tokens not attended")
     np.testing.assert_array_equal(out[empty], 0, err_msg=f"{name}: rows without a token")
   (out, probs), (out1, probs1) = got["new"], got["v1"]
-  _rows_close(out, out1, PAIR_TOL[dtype], "new vs v1 out")
+  rows_close(out, out1, PAIR_TOL[dtype], "new vs v1 out")
   np.testing.assert_allclose(probs, probs1, atol=5e-5, rtol=0, err_msg="new vs v1 probs")
 
 
@@ -84,8 +63,8 @@ def _mask_bits(mask, s):
 ])
 def test_gpu_fwd_variants_padded(monkeypatch, dtype, d, s, hq, hkv, b):
   rng = np.random.default_rng(31)
-  q = _rand(rng, (b, hq, d), dtype)
-  k, v = _rand(rng, (b, s, hkv, d), dtype), _rand(rng, (b, s, hkv, d), dtype)
+  q = rand(rng, (b, hq, d), dtype)
+  k, v = rand(rng, (b, s, hkv, d), dtype), rand(rng, (b, s, hkv, d), dtype)
   lengths = rng.integers(-2, s + 3, b).astype(np.int32)  # out of range: clamped
   lengths[:2] = (0, s)
   mask = rng.integers(0, 1 << s, b).astype(np.int32)
@@ -110,8 +89,8 @@ def test_gpu_fwd_variants_ragged(monkeypatch, dtype, d, hq, hkv):
   start[6], length[6] = t - 2, 9                  # runs past the last token
   mask = np.full(b, -1, np.int32)
   mask[::7] = rng.integers(0, 1 << 16, len(mask[::7]))
-  q = _rand(rng, (b, hq, d), dtype)
-  k, v = _rand(rng, (t, hkv, d), dtype), _rand(rng, (t, hkv, d), dtype)
+  q = rand(rng, (b, hq, d), dtype)
+  k, v = rand(rng, (t, hkv, d), dtype), rand(rng, (t, hkv, d), dtype)
   config = SmallSeqConfig(0.7 * d ** -0.5, 16, True)
   st = np.clip(start, 0, t)
   ln = np.minimum(np.clip(length, 0, 16), t - st)
@@ -126,8 +105,8 @@ def test_gpu_fwd_variant_switch(monkeypatch):
   and a value of "0" keeps the default."""
   rng = np.random.default_rng(33)
   b, s, hq, hkv, d = 2000, 16, 16, 4, 128
-  q = _rand(rng, (b, hq, d), jnp.bfloat16)
-  k, v = _rand(rng, (b, s, hkv, d), jnp.bfloat16), _rand(rng, (b, s, hkv, d), jnp.bfloat16)
+  q = rand(rng, (b, hq, d), jnp.bfloat16)
+  k, v = rand(rng, (b, s, hkv, d), jnp.bfloat16), rand(rng, (b, s, hkv, d), jnp.bfloat16)
   index = (jnp.full((b,), s, jnp.int32), jnp.full((b,), -1, jnp.int32))
   config = SmallSeqConfig(d ** -0.5, s, False)
   _, probs = _forward(monkeypatch, "new", q, k, v, index, config)
@@ -144,8 +123,8 @@ def test_gpu_fwd_million_rows(monkeypatch):
   """2^20 rows (a large grid), both kernels, against the reference."""
   rng = np.random.default_rng(34)
   b, s, hq, hkv, d = 1 << 20, 2, 2, 1, 64
-  q = _rand(rng, (b, hq, d), jnp.bfloat16)
-  k, v = _rand(rng, (b, s, hkv, d), jnp.bfloat16), _rand(rng, (b, s, hkv, d), jnp.bfloat16)
+  q = rand(rng, (b, hq, d), jnp.bfloat16)
+  k, v = rand(rng, (b, s, hkv, d), jnp.bfloat16), rand(rng, (b, s, hkv, d), jnp.bfloat16)
   lengths = rng.integers(0, s + 1, b).astype(np.int32)
   mask = np.full(b, -1, np.int32)
   config = SmallSeqConfig(d ** -0.5, s, False)

@@ -15,26 +15,10 @@ import pytest
 from jaxcp._src import registry
 from jaxcp._src.small_seq import SmallSeqConfig, local_fwd, small_seq_attention, small_seq_reference
 
+from .helpers import rand, rows_close
+
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 GRAD_TOL = {jnp.bfloat16: 4e-2, jnp.float16: 8e-3}
-
-
-def _rand(rng, shape, dtype):
-  return jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype)
-
-
-def _rows_close(got, want, tol, what):
-  """Per-row relative error (rows = leading axis); rows whose reference is zero must be zero."""
-  a = np.asarray(jnp.asarray(got, jnp.float32), np.float64).reshape(got.shape[0], -1)
-  b = np.asarray(jnp.asarray(want, jnp.float32), np.float64).reshape(want.shape[0], -1)
-  assert np.all(np.isfinite(a)), f"{what}: non-finite values"
-  nb = np.linalg.norm(b, axis=1)
-  floor = 0.1 * np.sqrt(np.mean(nb ** 2)) + 1e-30
-  err = np.linalg.norm(a - b, axis=1) / np.maximum(nb, floor)
-  worst = int(np.argmax(err))
-  assert err[worst] < tol, f"{what}: row {worst} relative error {err[worst]:.3g} >= {tol}"
-  zero_rows = nb == 0
-  np.testing.assert_array_equal(a[zero_rows], 0, err_msg=f"{what}: rows that must be zero")
 
 
 def _vjp(fn, args, dout):
@@ -52,17 +36,17 @@ def _vjp(fn, args, dout):
 ])
 def test_gpu_many_tasks_padded(dtype, d, s, hq, hkv, b):
   rng = np.random.default_rng(21)
-  q = _rand(rng, (b, hq, d), dtype)
-  k, v = _rand(rng, (b, s, hkv, d), dtype), _rand(rng, (b, s, hkv, d), dtype)
-  dout = _rand(rng, (b, hq, d), dtype)
+  q = rand(rng, (b, hq, d), dtype)
+  k, v = rand(rng, (b, s, hkv, d), dtype), rand(rng, (b, s, hkv, d), dtype)
+  dout = rand(rng, (b, hq, d), dtype)
   lengths = jnp.asarray(rng.integers(-2, s + 3, b), jnp.int32)  # out of range: clamped
   f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths,
                                                        implementation=impl)
   out, grads = jax.jit(lambda *a: _vjp(f("cuda"), a, dout))(q, k, v)
   rout, rgrads = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
-  _rows_close(out, rout, TOL[dtype], "out")
+  rows_close(out, rout, TOL[dtype], "out", rows_leading=True)
   for name, g, w in zip(("dq", "dk", "dv"), grads, rgrads):
-    _rows_close(g, w, GRAD_TOL[dtype], name)
+    rows_close(g, w, GRAD_TOL[dtype], name, rows_leading=True)
   ln = np.clip(np.asarray(lengths), 0, s)
   np.testing.assert_array_equal(np.asarray(out, np.float32)[ln == 0], 0)
   dk = np.asarray(grads[1], np.float32)
@@ -79,16 +63,16 @@ def test_gpu_many_tasks_ragged(dtype, d, hq, hkv):
   lens = rng.integers(0, 21, b)  # zero-length rows and rows longer than 16 (first 16 attended)
   cu = np.concatenate([[7], 7 + np.cumsum(lens)]).astype(np.int32)  # tokens before row 0
   t = int(cu[-1]) + 9  # and after the last row
-  q = _rand(rng, (b, hq, d), dtype)
-  k, v = _rand(rng, (t, hkv, d), dtype), _rand(rng, (t, hkv, d), dtype)
-  dout = _rand(rng, (b, hq, d), dtype)
+  q = rand(rng, (b, hq, d), dtype)
+  k, v = rand(rng, (t, hkv, d), dtype), rand(rng, (t, hkv, d), dtype)
+  dout = rand(rng, (b, hq, d), dtype)
   f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu,
                                                        implementation=impl)
   out, grads = jax.jit(lambda *a: _vjp(f("cuda"), a, dout))(q, k, v)
   rout, rgrads = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
-  _rows_close(out, rout, TOL[dtype], "out")
+  rows_close(out, rout, TOL[dtype], "out", rows_leading=True)
   for name, g, w in zip(("dq", "dk", "dv"), grads, rgrads):
-    _rows_close(g, w, GRAD_TOL[dtype], name)
+    rows_close(g, w, GRAD_TOL[dtype], name, rows_leading=True)
   covered = np.zeros(t, bool)
   for i in range(b):
     covered[cu[i]:cu[i] + min(int(lens[i]), 16)] = True
@@ -100,8 +84,8 @@ def test_gpu_many_tasks_ragged(dtype, d, hq, hkv):
 def test_gpu_many_tasks_probabilities_and_mask():
   rng = np.random.default_rng(23)
   b, s, hq, hkv, d = 30000, 11, 8, 2, 128
-  q = _rand(rng, (b, hq, d), jnp.bfloat16)
-  k, v = _rand(rng, (b, s, hkv, d), jnp.bfloat16), _rand(rng, (b, s, hkv, d), jnp.bfloat16)
+  q = rand(rng, (b, hq, d), jnp.bfloat16)
+  k, v = rand(rng, (b, s, hkv, d), jnp.bfloat16), rand(rng, (b, s, hkv, d), jnp.bfloat16)
   lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
   mask = jnp.asarray(rng.integers(0, 1 << s, b), jnp.int32)
   config = SmallSeqConfig(0.1, s, False)
@@ -109,4 +93,4 @@ def test_gpu_many_tasks_probabilities_and_mask():
   out, probs = jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, lengths, mask)
   ref_out, ref_probs = small_seq_reference(q, k, v, (lengths, mask), config)
   np.testing.assert_allclose(probs, ref_probs, atol=2e-3)
-  _rows_close(out, ref_out, TOL[jnp.bfloat16], "out")
+  rows_close(out, ref_out, TOL[jnp.bfloat16], "out", rows_leading=True)

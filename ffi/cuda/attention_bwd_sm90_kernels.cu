@@ -119,16 +119,11 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   using Pipeline = typename KT::Pipeline;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   extern __shared__ char smem_raw[];
-  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  SharedStorage& ss = aligned_shared_storage<SharedStorage>(smem_raw);
   const BwdParams& p = P.p;
 
   const int warp_group = threadIdx.x / 128;
-  typename Pipeline::Params pp;
-  pp.transaction_bytes = KT::kQStageBytes;
-  pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.is_leader = threadIdx.x == 0;
-  pp.num_consumers = KT::kConsumerThreads;
+  const auto pp = tma_pipeline_params<Pipeline>(KT::kQStageBytes, KT::kConsumerThreads);
   Pipeline pipe_q(ss.pipe_q, pp, Shape<_1, _1, _1>{});
   Pipeline pipe_do(ss.pipe_do, pp, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) TxBarrier::init(&ss.kv_full, 1);
@@ -394,13 +389,7 @@ template <class KT>
 cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
   using Element = typename KT::Element;
   constexpr int D = KT::kD;
-  auto g = [&](const void* ptr, int64_t len, int heads) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_shape(static_cast<int32_t>(len), int32_t(D), static_cast<int32_t>(heads),
-                                  static_cast<int32_t>(p.B)),
-                       make_stride(static_cast<int64_t>(heads) * D, _1{}, int64_t(D),
-                                   static_cast<int64_t>(heads) * D * len));
-  };
+  auto g = [&](const void* ptr, int64_t len, int heads) { return tma_global_view<Element, D>(ptr, len, heads, p.B); };
   BwdSm90Params<KT> P;
   P.p = p;
   auto q_smem = take<0, 2>(typename KT::SmemLayoutQ{});

@@ -64,4 +64,33 @@ __forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
       op(*reinterpret_cast<const cutlass::Array<float, n>*>(src.data()));
 }
 
+// The kernel's shared storage, aligned to 1 KB (128-byte-swizzled TMA tiles need it); the
+// kernels request sizeof(SharedStorage) + 1024 bytes.
+template <class SharedStorage>
+__forceinline__ __device__ SharedStorage& aligned_shared_storage(char* smem_raw) {
+  return *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+}
+
+// Parameters of a TMA pipeline whose producer is warpgroup 0 (thread 0 issues the loads) and
+// whose consumers are `consumers` threads of the other warpgroups.
+template <class Pipeline>
+__forceinline__ __device__ typename Pipeline::Params tma_pipeline_params(uint32_t transaction_bytes,
+                                                                         int consumers) {
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = transaction_bytes;
+  pp.role = threadIdx.x < 128 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = consumers;
+  return pp;
+}
+
+// (token, d, head, batch) view of a [batch, len, heads, D] tensor: the global side of a TMA copy.
+template <class Element, int D>
+auto tma_global_view(const void* ptr, int64_t len, int64_t heads, int64_t batch) {
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                     make_shape(static_cast<int32_t>(len), int32_t(D), static_cast<int32_t>(heads),
+                                static_cast<int32_t>(batch)),
+                     make_stride(heads * D, _1{}, int64_t(D), heads * D * len));
+}
+
 }  // namespace jaxcp::cuda::detail

@@ -6,8 +6,10 @@
 // global memory exactly once, all of a task's loads are in flight together, and the K/V tile is
 // shared by all query heads of the GQA group.
 //
-// Forward (default): tensor cores (mma.sync) from shared memory, see small_seq_fwd_mma_kernel.
-// Forward v1 (JAXCP_SMALL_SEQ_FWD_V1=1) and backward: float32 math on the CUDA cores:
+// Forward and backward (default): tensor cores (mma.sync) from shared memory, see
+// small_seq_fwd_mma_kernel and small_seq_bwd_mma_kernel.
+// Forward v1 (JAXCP_SMALL_SEQ_FWD_V1=1), backward v1 (JAXCP_SMALL_SEQ_BWD_V1=1, and groups of
+// more than 16 heads): float32 math on the CUDA cores:
 //   scores : lane = (d-split, head, token); partial dot products reduced with shuffles, then a
 //            softmax over the token lanes; probabilities written once (to global and smem).
 //   P @ V  : lane = (token-split, head, 16-byte chunk of D); reduced over the token split.
@@ -164,6 +166,26 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// acc[n] += A B_n^T over the D columns of shared-memory rows: A is 16 rows at a_addr, B is NB
+// tiles of 8 rows at b_addr (ldmatrix.x4 addresses per lane: A = 2 row halves x 2 chunks of a
+// 16-column step, B = NB tiles x 4 / NB chunks).
+template <typename T, int D, int NB>
+__device__ __forceinline__ void mma_rows_over_d(float (&acc)[NB][4], uint32_t a_addr, uint32_t b_addr) {
+#pragma unroll 4
+  for (int ks = 0; ks < D / 16; ks += 2 / NB) {
+    uint32_t b[4], a[4];
+    ldsm_x4(b, b_addr + ks * 32);
+    ldsm_x4(a, a_addr + ks * 32);
+    mma16816<T>(acc[0], a, b[0], b[1]);
+    if constexpr (NB == 2) {
+      mma16816<T>(acc[1], a, b[2], b[3]);
+    } else {
+      ldsm_x4(a, a_addr + (ks + 1) * 32);
+      mma16816<T>(acc[0], a, b[2], b[3]);
+    }
+  }
+}
+
 // c += a b: m16n8k8.
 template <typename T>
 __device__ __forceinline__ void mma1688(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
@@ -177,6 +199,13 @@ __device__ __forceinline__ void mma1688(float (&c)[4], uint32_t a0, uint32_t a1,
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// The transpose of an 8x8 16-bit matrix held in the accumulator / A-fragment layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // (a, b) as packed 16-bit hi + lo with hi + lo = (a, b) to about 16 significant bits.
@@ -246,12 +275,14 @@ __device__ __forceinline__ void stage(const Params& p, const Task& t, int lane, 
   }
 }
 
-// Forward staging of the task's allowed K/V tokens and its G query rows: a lane keeps one chunk
-// column and steps its pointers from token to token. With the math on tensor cores, the per-chunk
-// index arithmetic of stage() (~35 instructions per K/V chunk pair) was most of a task's work.
+// Staging for the tensor-core kernels: the task's allowed K/V tokens and `n_rows` contiguous [D]
+// rows of `rows_a` (and of `rows_b` when given). A lane keeps one chunk column and steps its
+// pointers from token to token: with the math on tensor cores, the per-chunk index arithmetic of
+// stage() (~35 instructions per K/V chunk pair) was most of a task's work.
 template <typename T, int D>
-__device__ __forceinline__ void stage_fwd(const Params& p, const Task& t, int lane, T* Ks, T* Vs,
-                                          const T* q_rows, T* Qs, int n_rows) {
+__device__ __forceinline__ void stage_lean(const Params& p, const Task& t, int lane, T* Ks, T* Vs,
+                                           int n_rows, const T* rows_a, T* As,
+                                           const T* rows_b = nullptr, T* Bs = nullptr) {
   using Geo = Geometry<D>;
   constexpr int kLanes = Geo::kChunkLanes, kTokensPerPass = 32 / kLanes;
   const int j0 = lane / kLanes, col = (lane % kLanes) * 8;
@@ -269,9 +300,60 @@ __device__ __forceinline__ void stage_fwd(const Params& p, const Task& t, int la
     }
   }
   for (int i = lane; i < n_rows * Geo::kChunks; i += 32) {
-    const int r = i / Geo::kChunks, c = i % Geo::kChunks;
-    cp_async16(Qs + r * Geo::kRow + c * 8, q_rows + static_cast<int64_t>(i) * 8);
+    const int e = (i / Geo::kChunks) * Geo::kRow + (i % Geo::kChunks) * 8;
+    cp_async16(As + e, rows_a + static_cast<int64_t>(i) * 8);
+    if (rows_b != nullptr) cp_async16(Bs + e, rows_b + static_cast<int64_t>(i) * 8);
   }
+}
+
+// Writes the task's dK/dV tokens j < len from smem rows (the lane layout of stage_lean).
+template <typename T, int D>
+__device__ __forceinline__ void store_kv_grads(const Params& p, const Task& t, int lane,
+                                               const T* dKs, const T* dVs) {
+  using Geo = Geometry<D>;
+  constexpr int kLanes = Geo::kChunkLanes, kTokensPerPass = 32 / kLanes;
+  const int j0 = lane / kLanes, col = (lane % kLanes) * 8;
+  const int64_t step = static_cast<int64_t>(kTokensPerPass) * p.kv_heads * D;
+  const int64_t off = ((t.start + j0) * p.kv_heads + t.g) * D + col;
+  T* kp = static_cast<T*>(p.dk) + off;
+  T* vp = static_cast<T*>(p.dv) + off;
+  for (int j = j0; j < t.len; j += kTokensPerPass, kp += step, vp += step) {
+#pragma unroll
+    for (int cc = 0; cc < Geo::kChunksPerLane; ++cc) {
+      const int e = j * Geo::kRow + col + cc * kLanes * 8;
+      stg16(kp + cc * kLanes * 8, lds16(dKs + e));
+      stg16(vp + cc * kLanes * 8, lds16(dVs + e));
+    }
+  }
+}
+
+// The next row's clamped start (the end of the buffer for the last row).
+__device__ __forceinline__ int64_t next_start(const Params& p, const Task& t) {
+  return t.b + 1 < p.batch
+             ? min(max(static_cast<int64_t>(p.kv_start[t.b + 1]), int64_t{0}), p.tokens)
+             : p.tokens;
+}
+
+// Zeroes the dk/dv tokens no row covers: from the end of this row to `next` (next_start), and
+// before the first row.
+template <typename T, int D>
+__device__ __forceinline__ void zero_uncovered(const Params& p, const Task& t, int lane,
+                                               int64_t next) {
+  using Geo = Geometry<D>;
+  T* dk = static_cast<T*>(p.dk);
+  T* dv = static_cast<T*>(p.dv);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  auto zero_tokens = [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lane; i < (hi - lo) * Geo::kChunks; i += 32) {
+      const int64_t tok = lo + i / Geo::kChunks;
+      const int c = static_cast<int>(i % Geo::kChunks);
+      const int64_t off = (tok * p.kv_heads + t.g) * D + c * 8;
+      stg16(dk + off, zero);
+      stg16(dv + off, zero);
+    }
+  };
+  if (next > t.start + t.len) zero_tokens(t.start + t.len, next);
+  if (t.b == 0 && t.start > 0) zero_tokens(0, t.start);
 }
 
 // dot(a_row, b_row) over this lane's share of the chunks (chunk c = split + n * splits).
@@ -440,7 +522,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
   T* Qs = Vs + ML * Geo::kRow;  // Q rows; a head tile's rows then stage its O rows
   const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
 
-  stage_fwd<T, D>(p, t, lane, Ks, Vs, static_cast<const T*>(p.q) + row0 * D, Qs, G);
+  stage_lean<T, D>(p, t, lane, Ks, Vs, G, static_cast<const T*>(p.q) + row0 * D, Qs);
   cp_async_wait_all();
   __syncwarp();
 
@@ -468,19 +550,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
     const int hq = h0 + r8 + 8 * (mi & 1);
     const uint32_t q_addr = smem_u32(hq < G ? Qs + hq * Geo::kRow : Zs) + (mi >> 1) * 16;
     float s[NT][4] = {};
-#pragma unroll 4
-    for (int ks = 0; ks < D / 16; ks += 2 / NT) {
-      uint32_t kb[4], qa[4];
-      ldsm_x4(kb, k_addr + ks * 32);
-      ldsm_x4(qa, q_addr + ks * 32);
-      mma16816<T>(s[0], qa, kb[0], kb[1]);
-      if constexpr (NT == 2) {
-        mma16816<T>(s[1], qa, kb[2], kb[3]);
-      } else {
-        ldsm_x4(qa, q_addr + (ks + 1) * 32);
-        mma16816<T>(s[0], qa, kb[2], kb[3]);
-      }
-    }
+    mma_rows_over_d<T, D, NT>(s, q_addr, k_addr);
 
     // Softmax over the tokens of rows qr (values s[.][0..1]) and qr + 8 (s[.][2..3]).
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -642,31 +712,206 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
     }
   }
 
-  // Zero the dk/dv tokens no row covers: from the end of this row to the next row's start
-  // (the end of the buffer for the last row), and before the first row.
-  const int64_t next =
-      t.b + 1 < p.batch
-          ? min(max(static_cast<int64_t>(p.kv_start[t.b + 1]), int64_t{0}), p.tokens)
-          : p.tokens;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  auto zero_tokens = [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lane; i < (hi - lo) * Geo::kChunks; i += 32) {
-      const int64_t tok = lo + i / Geo::kChunks;
-      const int c = static_cast<int>(i % Geo::kChunks);
-      const int64_t off = (tok * p.kv_heads + t.g) * D + c * 8;
-      stg16(dk + off, zero);
-      stg16(dv + off, zero);
+  zero_uncovered<T, D>(p, t, lane, next_start(p, t));
+}
+
+// ---------------------------------------------------------------- backward on tensor cores
+//
+// Same tasks as small_seq_bwd_kernel; K, V, Q, dO and P are staged as in the forward on tensor
+// cores (P with cp.async too: plain loads issued before the wait were scheduled after it by
+// ptxas, one more round trip per task). The CUDA-core backward issues ~G unpack + FMA passes over
+// every K/V byte (dP, dK, dV) and over every Q/dO byte (dQ); here the math is ~100 ldmatrix + mma
+// per task. Tokens are the M dimension (16; rows past the length, masked off or past max_len read
+// the zero row), HT tiles of 8 heads, NT tiles of 8 tokens:
+//   dP^T = V dO^T   : m16n8k16, N = heads, K = D. Its accumulators are laid out as the A
+//                     fragments of the dK/dV products below, so P^T is read in that layout and
+//                     dS^T = P^T (dP^T - delta) is formed in place (delta: sums over 8 lanes);
+//   dV = P^T dO, dK = scale dS^T Q : N = D, K = heads (m16n8k8 for HT = 1, m16n8k16 for 2);
+//   dQ = scale dS K : M = heads, K = tokens; its A fragments are dS^T's, transposed by movmatrix.
+// P and dS enter the mma as 16-bit hi + lo parts (~16 significant bits, as P in the forward).
+// dS is first scaled by the power of two that brings the task's largest |dS| into [1, 2), undone
+// exactly on dQ and dK: in f16 a large dS would overflow and a small one lose its low bits.
+// Outputs are staged in consumed smem rows (dV in V's, dQ in dO's, dK in K's) and written with
+// 16-byte stores.
+template <typename T, int D, int HT, int NT>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
+    small_seq_bwd_mma_kernel(const Params p) {
+  using Geo = Geometry<D>;
+  constexpr int kCpxH = 4 / HT;  // chunks of a head row in one ldmatrix.x4 of dO or Q
+  constexpr int kCpxT = 4 / NT;  // chunks of a token row in one ldmatrix.x4 of K (for dQ)
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* Zs = reinterpret_cast<T*>(smem);  // the block's zero row, then one slice per warp
+  Task t;
+  const bool has_task = task_of(p, &t);
+  for (int c = threadIdx.x; c < Geo::kChunks; c += blockDim.x)
+    *reinterpret_cast<uint4*>(Zs + c * 8) = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  if (!has_task) return;
+  const int lane = threadIdx.x & 31;
+  const int G = p.group, ML = p.max_len;
+  T* Ks = Zs + Geo::kRow + (threadIdx.x >> 5) * (p.warp_smem / 2);  // then dK
+  T* Vs = Ks + ML * Geo::kRow;                                      // then dV
+  T* Qs = Vs + ML * Geo::kRow;
+  T* DOs = Qs + G * Geo::kRow;                                      // then dQ
+  float* Ps = reinterpret_cast<float*>(DOs + G * Geo::kRow);
+  const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
+  const int64_t next = next_start(p, t);  // loaded now: not one more round trip at the end
+
+  stage_lean<T, D>(p, t, lane, Ks, Vs, G, static_cast<const T*>(p.q) + row0 * D, Qs,
+                   static_cast<const T*>(p.dout) + row0 * D, DOs);
+  for (int i = lane; i < G * ML; i += 32) cp_async4(Ps + i, p.probs + row0 * ML + i);
+  cp_async_wait_all();
+  __syncwarp();
+
+  auto attends = [&](int j) { return j < t.len && allowed(t.mask, j); };
+  // Accumulator layout: lane holds rows qr and qr + 8, columns qc and qc + 1 of each 8-wide tile.
+  const int qr = lane >> 2, qc = 2 * (lane & 3);
+  // P^T: [tile][2 * (token row qr + 8) + head column qc + 1]; 0 where not attended.
+  float pt[HT][4];
+#pragma unroll
+  for (int ht = 0; ht < HT; ++ht)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int h = 8 * ht + qc + (i & 1), j = qr + 8 * (i >> 1);
+      pt[ht][i] = h < G && attends(j) ? Ps[h * ML + j] : 0.f;
+    }
+
+  // ldmatrix row addresses: lane supplies row r8 of matrix mi = lane / 8.
+  const int mi = lane >> 3, r8 = lane & 7;
+  auto row_addr = [&](const T* rows, int r, bool ok, int chunk) {
+    return smem_u32(ok ? rows + r * Geo::kRow : Zs) + chunk * 16;
+  };
+  //   V (A of dP^T): matrix mi = tokens 8 (mi & 1), chunk mi >> 1.
+  const int jv = r8 + 8 * (mi & 1);
+  const uint32_t v_addr = row_addr(Vs, jv, attends(jv), mi >> 1);
+  //   dO (B of dP^T): matrix mi = head tile mi / kCpxH, chunk mi % kCpxH.
+  const int hb = r8 + 8 * (mi / kCpxH);
+  const uint32_t dob_addr = row_addr(DOs, hb, hb < G, mi % kCpxH);
+  //   dO, Q (B of dV, dK; transposed): matrix mi = head tile mi % HT, chunk mi / HT.
+  const int ht8 = r8 + 8 * (mi % HT);
+  const uint32_t dot_addr = row_addr(DOs, ht8, ht8 < G, mi / HT);
+  const uint32_t qt_addr = row_addr(Qs, ht8, ht8 < G, mi / HT);
+  //   K (B of dQ; transposed): matrix mi = token tile mi % NT, chunk mi / NT.
+  const int jk = r8 + 8 * (mi % NT);
+  const uint32_t kt_addr = row_addr(Ks, jk, attends(jk), mi / NT);
+
+  float ds[HT][4] = {};  // dP^T, then dS^T
+  mma_rows_over_d<T, D, HT>(ds, v_addr, dob_addr);
+
+  // delta_h = sum_j P_hj dP_hj (a column of dP^T: 2 rows per lane, 8 lanes), dS = P (dP - delta).
+  float amax = 0.f;
+#pragma unroll
+  for (int ht = 0; ht < HT; ++ht)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float delta = pt[ht][e] * ds[ht][e] + pt[ht][2 + e] * ds[ht][2 + e];
+      for (int o = 4; o < 32; o <<= 1) delta += __shfl_xor_sync(kFull, delta, o);
+#pragma unroll
+      for (int i = e; i < 4; i += 2) {
+        ds[ht][i] = pt[ht][i] * (ds[ht][i] - delta);
+        amax = fmaxf(amax, fabsf(ds[ht][i]));
+      }
+    }
+  for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
+  // 2^(127 - ex) and its inverse, both normal: ex is amax's biased exponent, clamped.
+  const uint32_t ex = min(max((__float_as_uint(amax) >> 23) & 0xffu, 1u), 253u);
+  const float ds_scale = __uint_as_float((254u - ex) << 23);
+  const float out_scale = p.scale * __uint_as_float(ex << 23);
+
+  // A fragments of P^T and dS^T (tokens x heads): [head tile][token half], hi and lo parts.
+  uint32_t ph[HT][2], pl[HT][2], sh[HT][2], sl[HT][2];
+#pragma unroll
+  for (int ht = 0; ht < HT; ++ht)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      split2<T>(pt[ht][2 * r], pt[ht][2 * r + 1], &ph[ht][r], &pl[ht][r]);
+      split2<T>(ds[ht][2 * r] * ds_scale, ds[ht][2 * r + 1] * ds_scale, &sh[ht][r], &sl[ht][r]);
+    }
+  // c += a b over the heads (b: this n-tile's HT B registers).
+  auto mma_heads = [](float (&c)[4], const uint32_t (&a)[HT][2], const uint32_t* b) {
+    if constexpr (HT == 2) {
+      const uint32_t a4[4] = {a[0][0], a[0][1], a[1][0], a[1][1]};
+      mma16816<T>(c, a4, b[0], b[1]);
+    } else {
+      mma1688<T>(c, a[0][0], a[0][1], b[0]);
     }
   };
-  if (next > t.start + t.len) zero_tokens(t.start + t.len, next);
-  if (t.b == 0 && t.start > 0) zero_tokens(0, t.start);
+  // Accumulator rows qr, qr + 8 (those below n_rows) to smem rows, column col.
+  auto put = [&](T* rows, int n_rows, int col, const float (&c)[4], float s) {
+    if (qr < n_rows)
+      *reinterpret_cast<uint32_t*>(rows + qr * Geo::kRow + col) = Cvt<T>::pack2(c[0] * s, c[1] * s);
+    if (qr + 8 < n_rows)
+      *reinterpret_cast<uint32_t*>(rows + (qr + 8) * Geo::kRow + col) =
+          Cvt<T>::pack2(c[2] * s, c[3] * s);
+  };
+  // dV = P^T dO, dK = dS^T Q: one ldmatrix.x4 (transposed) gives the B of kCpxH n-tiles.
+  auto kv_grad = [&](uint32_t b_addr, const uint32_t (&hi)[HT][2], const uint32_t (&lo)[HT][2],
+                     T* rows, float s) {
+#pragma unroll 2
+    for (int c0 = 0; c0 < Geo::kChunks; c0 += kCpxH) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, b_addr + c0 * 16);
+#pragma unroll
+      for (int c = 0; c < kCpxH; ++c) {
+        float acc[4] = {};
+        mma_heads(acc, hi, b + HT * c);
+        mma_heads(acc, lo, b + HT * c);
+        put(rows, t.len, (c0 + c) * 8 + qc, acc, s);
+      }
+    }
+  };
+
+  __syncwarp();  // V is consumed: its rows take dV
+  kv_grad(dot_addr, ph, pl, Vs, 1.f);
+  __syncwarp();  // dO is consumed: its rows take dQ
+
+  // dQ = dS K: A fragments (heads x tokens) [hi/lo][a-register], transposed 8x8 blocks of dS^T
+  // (rows 8..15 are 0 for HT = 1; registers 2, 3 are unused for NT = 1).
+  uint32_t qa[2][4] = {};
+  auto transpose = [](const uint32_t (&x)[HT][2], uint32_t (&a)[4]) {
+    a[0] = movmatrix_trans(x[0][0]);
+    if constexpr (NT == 2) a[2] = movmatrix_trans(x[0][1]);
+    if constexpr (HT == 2) {
+      a[1] = movmatrix_trans(x[1][0]);
+      if constexpr (NT == 2) a[3] = movmatrix_trans(x[1][1]);
+    }
+  };
+  transpose(sh, qa[0]);
+  transpose(sl, qa[1]);
+#pragma unroll 2
+  for (int c0 = 0; c0 < Geo::kChunks; c0 += kCpxT) {
+    uint32_t b[4];
+    ldsm_x4_trans(b, kt_addr + c0 * 16);
+#pragma unroll
+    for (int c = 0; c < kCpxT; ++c) {
+      float acc[4] = {};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (NT == 2)
+          mma16816<T>(acc, qa[r], b[2 * c], b[2 * c + 1]);
+        else
+          mma1688<T>(acc, qa[r][0], qa[r][1], b[c]);
+      }
+      put(DOs, G, (c0 + c) * 8 + qc, acc, out_scale);
+    }
+  }
+  __syncwarp();  // K is consumed: its rows take dK
+  kv_grad(qt_addr, sh, sl, Ks, out_scale);
+  __syncwarp();
+
+  T* dq = static_cast<T*>(p.dq) + row0 * D;
+  for (int i = lane; i < G * Geo::kChunks; i += 32)
+    stg16(dq + static_cast<int64_t>(i) * 8,
+          lds16(DOs + (i / Geo::kChunks) * Geo::kRow + (i % Geo::kChunks) * 8));
+  store_kv_grads<T, D>(p, t, lane, Ks, Vs);
+  zero_uncovered<T, D>(p, t, lane, next);
 }
 
 // ---------------------------------------------------------------- host side
 
 size_t round16(size_t x) { return (x + 15) & ~size_t{15}; }
 
-enum class Pass { kFwdV1, kFwd, kBwd };
+enum class Pass { kFwdV1, kFwd, kBwdV1, kBwd };
 
 size_t row_bytes(const SmallSeqArgs& a) { return static_cast<size_t>(a.head_dim + 8) * 2; }
 
@@ -677,7 +922,8 @@ size_t warp_smem_bytes(const SmallSeqArgs& a, Pass pass) {
   const size_t probs = round16(g * ml * 4);
   size_t bytes = 2 * ml * row + g * row;  // K, V, Q
   if (pass == Pass::kFwdV1) bytes += probs;
-  if (pass == Pass::kBwd) bytes += g * row + 2 * probs;  // dO, P, dS
+  if (pass == Pass::kBwdV1) bytes += g * row + 2 * probs;  // dO, P, dS
+  if (pass == Pass::kBwd) bytes += g * row + probs;         // dO, P
   return round16(bytes);
 }
 
@@ -769,16 +1015,18 @@ Params make_params(const SmallSeqArgs& a) {
   return p;
 }
 
-// JAXCP_SMALL_SEQ_FWD_V1 (non-empty, not "0") selects the CUDA-core forward, for A/B runs. Read
-// at every launch so that one process (a test, a benchmark) can switch between calls.
-bool fwd_v1_selected() {
-  const char* env = std::getenv("JAXCP_SMALL_SEQ_FWD_V1");
+// JAXCP_SMALL_SEQ_FWD_V1 / JAXCP_SMALL_SEQ_BWD_V1 (non-empty, not "0") select the CUDA-core
+// forward / backward, for A/B runs. Read at every launch so that one process (a test, a
+// benchmark) can switch between calls.
+bool env_selected(const char* name) {
+  const char* env = std::getenv(name);
   return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
 }
 
 template <typename T, int D>
 cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  if (fwd_v1_selected()) return launch_default(small_seq_fwd_kernel<T, D>, a, Pass::kFwdV1, p, s);
+  if (env_selected("JAXCP_SMALL_SEQ_FWD_V1"))
+    return launch_default(small_seq_fwd_kernel<T, D>, a, Pass::kFwdV1, p, s);
   const size_t per_warp = warp_smem_bytes(a, Pass::kFwd);
   BlockShape shape;
   if (cudaError_t e = occupancy_shape(per_warp, row_bytes(a), &shape); e != cudaSuccess) return e;
@@ -788,7 +1036,18 @@ cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
 
 template <typename T, int D>
 cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  return launch_default(small_seq_bwd_kernel<T, D>, a, Pass::kBwd, p, s);
+  // The tensor-core backward keeps the dS of at most 16 heads in registers.
+  if (env_selected("JAXCP_SMALL_SEQ_BWD_V1") || p.group > 16)
+    return launch_default(small_seq_bwd_kernel<T, D>, a, Pass::kBwdV1, p, s);
+  const size_t per_warp = warp_smem_bytes(a, Pass::kBwd);
+  BlockShape shape;
+  if (cudaError_t e = occupancy_shape(per_warp, row_bytes(a), &shape); e != cudaSuccess) return e;
+  const bool one_token_tile = a.max_len <= 8;
+  if (p.group <= 8)
+    return one_token_tile ? launch(small_seq_bwd_mma_kernel<T, D, 1, 1>, a, shape, per_warp, p, s)
+                          : launch(small_seq_bwd_mma_kernel<T, D, 1, 2>, a, shape, per_warp, p, s);
+  return one_token_tile ? launch(small_seq_bwd_mma_kernel<T, D, 2, 1>, a, shape, per_warp, p, s)
+                        : launch(small_seq_bwd_mma_kernel<T, D, 2, 2>, a, shape, per_warp, p, s);
 }
 
 template <typename T>
