@@ -1,4 +1,4 @@
-// Backward dK/dV (+ atomic dQ) kernel for Hopper (sm_90a), on wgmma and TMA.
+// Backward kernel for Hopper (sm_90a): dK, dV and dQ on wgmma and TMA.
 //
 // One CTA owns one key tile of 128 keys of one kv head (or a split of its GQA group), the same
 // blocks and tile plan as the sm_80 dK/dV kernel (bwd_block). A producer warpgroup loads K and V
