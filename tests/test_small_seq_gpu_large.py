@@ -26,6 +26,17 @@ def _vjp(fn, args, dout):
   return out, pull(dout)
 
 
+def _cuda_matches_xla(f, q, k, v, dout, dtype):
+  """f(impl) -> attention fn. Checks the CUDA output and gradients against XLA's, row by row;
+  returns the CUDA (out, (dq, dk, dv))."""
+  out, grads = jax.jit(lambda *a: _vjp(f("cuda"), a, dout))(q, k, v)
+  rout, rgrads = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
+  rows_close(out, rout, TOL[dtype], "out", rows_leading=True)
+  for name, g, w in zip(("dq", "dk", "dv"), grads, rgrads):
+    rows_close(g, w, GRAD_TOL[dtype], name, rows_leading=True)
+  return out, grads
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d,s,hq,hkv,b", [
     (jnp.bfloat16, 64, 8, 4, 2, 80000),     # ~90 tasks per warp: many 32-task windows
@@ -42,11 +53,7 @@ def test_gpu_many_tasks_padded(dtype, d, s, hq, hkv, b):
   lengths = jnp.asarray(rng.integers(-2, s + 3, b), jnp.int32)  # out of range: clamped
   f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths,
                                                        implementation=impl)
-  out, grads = jax.jit(lambda *a: _vjp(f("cuda"), a, dout))(q, k, v)
-  rout, rgrads = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
-  rows_close(out, rout, TOL[dtype], "out", rows_leading=True)
-  for name, g, w in zip(("dq", "dk", "dv"), grads, rgrads):
-    rows_close(g, w, GRAD_TOL[dtype], name, rows_leading=True)
+  out, grads = _cuda_matches_xla(f, q, k, v, dout, dtype)
   ln = np.clip(np.asarray(lengths), 0, s)
   np.testing.assert_array_equal(np.asarray(out, np.float32)[ln == 0], 0)
   dk = np.asarray(grads[1], np.float32)
@@ -68,11 +75,7 @@ def test_gpu_many_tasks_ragged(dtype, d, hq, hkv):
   dout = rand(rng, (b, hq, d), dtype)
   f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu,
                                                        implementation=impl)
-  out, grads = jax.jit(lambda *a: _vjp(f("cuda"), a, dout))(q, k, v)
-  rout, rgrads = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
-  rows_close(out, rout, TOL[dtype], "out", rows_leading=True)
-  for name, g, w in zip(("dq", "dk", "dv"), grads, rgrads):
-    rows_close(g, w, GRAD_TOL[dtype], name, rows_leading=True)
+  out, grads = _cuda_matches_xla(f, q, k, v, dout, dtype)
   covered = np.zeros(t, bool)
   for i in range(b):
     covered[cu[i]:cu[i] + min(int(lens[i]), 16)] = True

@@ -14,17 +14,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import common  # noqa: E402
 
 import jaxcp  # noqa: E402
+from sm90_smoke import rel  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def grads(impl, q, k, v, g, **kw):
   def f(q, k, v):
     return jaxcp.attention(q, k, v, implementation=impl, **kw)
   return jax.jit(lambda q, k, v, g: jax.vjp(f, q, k, v)[1](g))(q, k, v, g)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def packed_segments(rng, b, s, max_doc=300, empty_tail=0):

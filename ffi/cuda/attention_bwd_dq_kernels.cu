@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dq_kernel(const
       const int r = get<0>(tScS_rc(mi, 0));
       const bool valid = r < q_rows;
       const float l = valid ? p.lse[lrow + r] : INFINITY;
-      lse2[mi] = l == -INFINITY ? INFINITY : l * kLog2e;
+      lse2[mi] = lse_log2(l);
       dlt[mi] = valid ? p.delta[lrow + r] : 0.f;
       const int64_t idx = b * p.Sq + r0 + (valid ? r : 0);
       rm[mi] = make_row_mask(valid, p.q_seg[idx], p.q_pos[idx], p.mask);

@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dkdv_kernel(con
       const int r = get<0>(tScS_rc(mi, 0));
       const bool valid = r < q_rows;
       const float l = valid ? p.lse[lrow + r] : INFINITY;
-      lse2[mi] = l == -INFINITY ? INFINITY : l * kLog2e;  // empty row: P = 0
+      lse2[mi] = lse_log2(l);
       dlt[mi] = valid ? p.delta[lrow + r] : 0.f;
       if (cls == kPartial) {
         const int64_t idx = b * p.Sq + r0 + (valid ? r : 0);

@@ -40,8 +40,8 @@ __global__ void __launch_bounds__(256) bwd_delta_kernel(const Element* __restric
   }
 }
 
-// For the sm_90a kernel, in rows of sq_pad: lse2 = lse * log2(e), +inf for empty rows (P = 0)
-// and for the padding, whose delta is zeroed (padding queries then give dS = 0, never NaN).
+// For the sm_90a kernel, in rows of sq_pad: lse2 = lse_log2(lse), and +inf for the padding,
+// whose delta is zeroed (padding queries then give P = 0 and dS = 0, never NaN).
 __global__ void __launch_bounds__(256) bwd_lse2_kernel(const float* __restrict__ lse,
                                                        float* __restrict__ lse2,
                                                        float* __restrict__ delta, int64_t rows,
@@ -50,8 +50,7 @@ __global__ void __launch_bounds__(256) bwd_lse2_kernel(const float* __restrict__
        idx += static_cast<int64_t>(gridDim.x) * 256) {
     const int64_t row = idx / sq_pad, i = idx % sq_pad;
     if (i < Sq) {
-      const float l = lse[row * Sq + i];
-      lse2[idx] = l == -INFINITY ? INFINITY : l * kLog2e;
+      lse2[idx] = lse_log2(lse[row * Sq + i]);
     } else {
       lse2[idx] = INFINITY;
       delta[idx] = 0.f;

@@ -194,6 +194,10 @@ __forceinline__ __device__ auto convert_type(Tensor<Engine, Layout> const& t) {
   return make_tensor(make_rmem_ptr<To>(&frag), t.layout());
 }
 
+// The backward's exponent offset: P = exp2(s * scale * log2(e) - lse_log2(lse)); an empty row
+// (lse = -inf) gets +inf, so its P is 0 rather than NaN.
+__forceinline__ __device__ float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
+
 // Reductions over the 4 threads of a quad (the threads that share an accumulator row).
 __forceinline__ __device__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
