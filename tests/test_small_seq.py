@@ -59,8 +59,13 @@ def _padded_rows(lengths, s):
 
 
 def _ragged_rows(cu, t):
-  cu = np.maximum.accumulate(np.clip(np.asarray(cu), 0, t))
-  return [list(range(cu[i], min(cu[i + 1], cu[i] + 16))) for i in range(len(cu) - 1)]
+  """Token lists of the ragged rows: cu clamped into [0, t]; empty from the first decrease on."""
+  cu = np.clip(np.asarray(cu), 0, t)
+  rows, broken = [], False
+  for i in range(len(cu) - 1):
+    broken = broken or cu[i + 1] < cu[i]
+    rows.append([] if broken else list(range(cu[i], min(cu[i + 1], cu[i] + 16))))
+  return rows
 
 
 def _assert_close(a, b, tol, what=""):
@@ -122,6 +127,7 @@ def test_ragged_forward(dtype):
         q, k, v, kv_cu_seqlens=cu)
     _assert_close(out, ref, TOL[dtype], impl)
   np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0)
+  np.testing.assert_array_equal(np.asarray(out[3:], np.float32), 0)  # from the decrease on
 
 
 @needs_cpu_kernel

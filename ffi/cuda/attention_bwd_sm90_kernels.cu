@@ -82,6 +82,7 @@ struct BwdSm90Traits {
     cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]
     cute::array_aligned<float, kBM * kStages, 128> lse2;
     cute::array_aligned<float, kBM * kStages, 128> delta;
+    RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
     typename Pipeline::SharedStorage pipe_q, pipe_do;
     alignas(8) uint64_t kv_full;
   };
@@ -246,17 +247,32 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     TxBarrier::wait(&ss.kv_full, 0);
     typename Pipeline::PipelineState read;
-    int h = w.h_begin, i = i_first, c = cls_first, ds_stage = 0;
+    int h = w.h_begin, i = i_first, c = cls_first, ds_stage = 0, n_partial = 0;
     do {
       const int st = read.index();
       const int64_t q0 = static_cast<int64_t>(i) * BM;
       const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
+      // Query masks of a partial tile: thread k of the warpgroup builds query k's (its loads
+      // issued before the GEMMs) into shared memory, double-buffered by the parity of the partial
+      // tile. Built by each thread for its own 16 queries, the loads were issued one at a time.
+      RowMask rm_next{};
+      if (c == kPartial && t_wg < BM) {
+        const bool valid = t_wg < q_rows;
+        const int64_t idx = static_cast<int64_t>(w.b) * p.Sq + q0 + (valid ? t_wg : 0);
+        rm_next = make_row_mask(valid, __ldg(p.q_seg + idx), __ldg(p.q_pos + idx), p.mask);
+      }
       pipe_q.consumer_wait(read);
       wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), acc_s);
       pipe_do.consumer_wait(read);
       wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), acc_dp);
       const float* lse2 = ss.lse2.data() + st * BM;
       const float* delta = ss.delta.data() + st * BM;
+      const RowMask* q_masks = ss.q_masks[wg][n_partial & 1];
+      if (c == kPartial) {
+        if (t_wg < BM) ss.q_masks[wg][n_partial & 1][t_wg] = rm_next;
+        cutlass::arch::NamedBarrier::sync(128, 4 + wg);
+        ++n_partial;
+      }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
       // P^T, masked on partial tiles (rows past the sequence ends are masked there too, and
@@ -265,12 +281,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       for (int ni = 0; ni < kCols; ++ni) {
         const int col = get<1>(tScS_rc(0, ni));
         const float l = lse2[col];
-        RowMask rm{0, 0, 0, 0};
-        if (c == kPartial) {
-          const bool valid = col < q_rows;
-          const int64_t idx = static_cast<int64_t>(w.b) * p.Sq + q0 + (valid ? col : 0);
-          rm = make_row_mask(valid, __ldg(p.q_seg + idx), __ldg(p.q_pos + idx), p.mask);
-        }
+        const RowMask rm = c == kPartial ? q_masks[col] : RowMask{0, 0, 0, 0};
         CUTE_UNROLL
         for (int mi = 0; mi < kRows; ++mi) {
           const bool ok = c != kPartial || allowed(rm, cm[mi]);

@@ -54,10 +54,12 @@ struct FwdSm90Traits {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    ColMask cols[2][2][kBN];  // [consumer warpgroup][parity of the partial tile][key]
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     alignas(8) uint64_t q_full;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
 
 template <class KT>
@@ -195,7 +197,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
-  // Turn-taking between the two consumer warpgroups (named barriers 1 and 2; 3, 4: epilogue).
+  // Turn-taking between the two consumer warpgroups (named barriers 1 and 2; 3, 4: epilogue;
+  // 5, 6: column masks).
   auto sched_wait = [&]() { cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1 + wg); };
   auto sched_pass = [&]() { cutlass::arch::NamedBarrier::arrive(KT::kConsumerThreads, 2 - wg); };
   if (wg == 1) sched_pass();  // warpgroup 0 goes first
@@ -240,17 +243,35 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     clear(acc_o);
 
+    // Column masks of a partial tile: thread k of the warpgroup loads key k's (issued before the
+    // tile's GEMMs, stored while they run) into shared memory, double-buffered by the parity of the
+    // partial tile, and the softmax reads them there. Loaded by each thread for its own 32 keys,
+    // they were issued one after another (no registers to batch them): a partial tile cost
+    // about nine full ones.
+    ColMask col_next{};
+    int n_partial = 0;
+    auto load_cols = [&](int jt, int ct) {
+      if (ct != kPartial || t_wg >= BN) return;
+      const int64_t tok = static_cast<int64_t>(jt) * BN + t_wg;
+      const bool valid = tok < p.Skv;
+      const int64_t idx = static_cast<int64_t>(ti.b) * p.Skv + (valid ? tok : 0);
+      col_next = make_col_mask(valid, __ldg(p.kv_seg + idx), __ldg(p.kv_pos + idx), p.mask);
+    };
+    auto store_cols = [&](int ct) {
+      if (ct != kPartial) return;
+      if (t_wg < BN) ss.cols[wg][n_partial & 1][t_wg] = col_next;
+      cutlass::arch::NamedBarrier::sync(128, 5 + wg);
+    };
+
     // Scale, mask (partial tiles only) and the online softmax of S_j; corr[] rescales O.
-    auto softmax = [&](int jt, int ct) {
+    auto softmax = [&](int ct) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= p.scale_log2;
       if (ct == kPartial) {
+        const ColMask* cols = ss.cols[wg][n_partial++ & 1];
         CUTE_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
-          const int64_t tok = static_cast<int64_t>(jt) * BN + get<1>(tScS_rc(0, ni));
-          const bool valid = tok < p.Skv;
-          const int64_t idx = static_cast<int64_t>(ti.b) * p.Skv + (valid ? tok : 0);
-          const ColMask cm = make_col_mask(valid, __ldg(p.kv_seg + idx), __ldg(p.kv_pos + idx), p.mask);
+          const ColMask cm = cols[get<1>(tScS_rc(0, ni))];
           CUTE_UNROLL
           for (int mi = 0; mi < kRows; ++mi)
             if (!allowed(rm[mi], cm)) s_rc(mi, ni) = -INFINITY;
@@ -266,22 +287,25 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       }
     };
 
+    load_cols(j, c);
     TxBarrier::wait(&ss.q_full, 0);
     // First key tile: S only.
     pipe_k.consumer_wait(read_k);
     sched_wait();
     wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
     sched_pass();
+    store_cols(c);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
     pipe_k.consumer_release(read_k);
     ++read_k;
     TileSummary pre = prefetch(j);
-    softmax(j, c);
+    softmax(c);
     convert_into(rP, acc_s);
     j = advance(j, pre, c);
     for (; j < end; j = advance(j, pre, c)) {
       pre = prefetch(j);
+      load_cols(j, c);
       pipe_k.consumer_wait(read_k);
       sched_wait();
       wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
@@ -289,11 +313,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       pipe_v.consumer_wait(read_v);
       wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
       sched_pass();
+      store_cols(c);
       warpgroup_wait<1>();  // S_j is ready; P V still running
       warpgroup_fence_operand(acc_s);
       pipe_k.consumer_release(read_k);
       ++read_k;
-      softmax(j, c);
+      softmax(c);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       warpgroup_fence_operand(rP);

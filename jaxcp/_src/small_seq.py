@@ -325,6 +325,21 @@ def _run(query, key, value, index, config, impl):
   return _kernel_call(query, key, value, tuple(index), config)
 
 
+def ragged_rows(cu, tokens: int):
+  """(start, length) int32 [B] of the ragged rows [cu[b], cu[b+1]), for cu int32 [B+1].
+
+  cu is clamped into [0, tokens]. A row whose end is below its start, and every row after it,
+  is empty: rows never overlap (the backward writes each token's dK/dV once) and nothing is read
+  out of bounds. Valid (non-decreasing) cu_seqlens pass unchanged. One cumsum (a scan kernel on
+  GPU) finds the first decrease; a running maximum (cummax) lowers to a reduce-window that cost
+  more than the small-seq forward kernel itself at B = 30720.
+  """
+  c = jnp.clip(cu, 0, tokens)
+  start, end = c[:-1], c[1:]
+  broken = jnp.cumsum((end < start).astype(jnp.int32)) > 0
+  return start, jnp.where(broken, 0, end - start)
+
+
 def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=None, scale=None,
                         implementation=None):
   """Attention of one query token per sequence over at most 16 key/value tokens.
@@ -334,9 +349,9 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
     (row b attends to its first kv_lengths[b] tokens; None means Skv). Lengths outside
     [0, Skv] are clamped into it.
   - ragged: key/value [Tkv, Hkv, D] with kv_cu_seqlens int32 [B+1]: row b attends to tokens
-    [cu[b], cu[b+1]). cu_seqlens is clamped into [0, Tkv] and made non-decreasing (a running
-    maximum); a row longer than 16 tokens attends to its first 16 (its other tokens get zero
-    gradients).
+    [cu[b], cu[b+1]). cu_seqlens is clamped into [0, Tkv]; from the first row whose end is
+    below its start on, rows are empty (see `ragged_rows`). A row longer than 16 tokens attends
+    to its first 16 (its other tokens get zero gradients).
 
   Rows with no token get output 0 and zero gradients. The forward saves the softmax
   probabilities (float32 [B, Hq, Skv]) for the backward, not the LSE.
@@ -396,8 +411,7 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
     if t < 1:
       raise ValueError("key/value must hold at least one token (Tkv >= 1).")
     cu = check_int_array("kv_cu_seqlens", kv_cu_seqlens, (b + 1,))
-    cu = jax.lax.cummax(jnp.clip(cu, 0, t), axis=0)
-    start, length = cu[:-1], cu[1:] - cu[:-1]
+    start, length = ragged_rows(cu, t)
     ragged, max_len = True, min(MAX_KV_LEN, t)
   else:
     raise ValueError(f"key must have rank 4 [B, Skv, Hkv, D] (padded) or rank 3 [Tkv, Hkv, D] "

@@ -1,0 +1,93 @@
+"""Runs one benchmark case's jaxcp forward (or forward+backward) a few times, for a profiler.
+
+  ncu --clock-control none -k regex:small_seq_fwd --launch-skip 2 --launch-count 1 \
+      python3 tools/profile_case.py ss:ragged30720
+  python3 tools/profile_case.py att:"1x64k doc1k" --time
+
+Cases: `ss:<name>` picks from the small-seq shorthands below, `att:<name>` a case of
+benchmarks/bench_attention.py by its name. `--time` prints the median time per call as well.
+"""
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_attention as ba  # noqa: E402
+import bench_small_seq as bs  # noqa: E402
+import common  # noqa: E402
+
+import jaxcp  # noqa: E402
+
+SMALL_SEQ = {
+    "ragged30720": bs.Case("ragged", 30720, ragged_mean=8),
+    "ragged262144": bs.Case("ragged", 262144, ragged_mean=8),
+    "mha30720": bs.Case("mha", 30720),
+    "gqa30720": bs.Case("gqa", 30720, q_heads=16, kv_heads=4),
+}
+
+
+def small_seq_fn(name, backward):
+  case = SMALL_SEQ[name]
+  q, k, v, dout, lengths, _ = bs.make_inputs(case, jnp.bfloat16, np.random.default_rng(0))
+  cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)]) if case.ragged_mean else None
+  f = lambda q, k, v: jaxcp.small_seq_attention(q, k, v, kv_cu_seqlens=cu)
+  if backward:
+    return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), (q, k, v, dout)
+  return jax.jit(f), (q, k, v)
+
+
+def attention_case(name):
+  """A bench_attention case by name, or `fixed:B:S:DOC` (every document DOC tokens long)."""
+  if name.startswith("fixed:"):
+    b, s, doc = (int(x) for x in name.split(":")[1:])
+    rows = [[doc] * (s // doc) + ([s % doc] if s % doc else []) for _ in range(b)]
+    return ba.Case(name, b, s, doc), rows
+  case = next(c for c in ba.GPU_CASES + ba.QUICK_CASES if c.name == name)
+  rng = np.random.default_rng(0)
+  rows = common.packed_rows(rng, case.batch, case.seq_len, case.mean_doc) if case.mean_doc else \
+      [[case.seq_len]] * case.batch
+  return case, rows
+
+
+def attention_fn(name, backward):
+  case, rows = attention_case(name)
+  seg, pos = common.segments_and_positions(rows, case.seq_len)
+  key = jax.random.PRNGKey(1)
+  q = jax.random.normal(key, (case.batch, case.seq_len, case.q_heads, case.head_dim), jnp.bfloat16)
+  kv_shape = (case.batch, case.seq_len, case.kv_heads, case.head_dim)
+  k = jax.random.normal(jax.random.fold_in(key, 1), kv_shape, jnp.bfloat16)
+  v = jax.random.normal(jax.random.fold_in(key, 2), kv_shape, jnp.bfloat16)
+  f = ba._jaxcp(case, seg, pos)
+  if backward:
+    return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), (q, k, v, q)
+  return jax.jit(f), (q, k, v)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("case")
+  ap.add_argument("--bwd", action="store_true", help="forward+backward instead of forward")
+  ap.add_argument("--reps", type=int, default=4)
+  ap.add_argument("--time", action="store_true")
+  a = ap.parse_args()
+  kind, name = a.case.split(":", 1)
+  fn, args = (small_seq_fn if kind == "ss" else attention_fn)(name, a.bwd)
+  for _ in range(a.reps):
+    jax.block_until_ready(fn(*args))
+  if a.time:
+    t = common.time_fn(fn, *args)
+    extra = ""
+    if kind == "att":
+      case, rows = attention_case(name)
+      flops = 4 * case.head_dim * case.q_heads * common.allowed_pairs(rows, causal=True) * (3.5 if a.bwd else 1)
+      extra = f" {flops / t / 1e12:.0f} TFLOP/s"
+    print(f"{a.case}{' fwd+bwd' if a.bwd else ''}: {t * 1e3:.3f} ms{extra}")
+
+
+if __name__ == "__main__":
+  main()
