@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcp._src import registry
-from jaxcp._src.small_seq import (SmallSeqConfig, local_fwd, small_seq_attention,
+from jaxcp._src.small_seq import (SmallSeqConfig, local_fwd, ragged_rows, small_seq_attention,
                                   small_seq_eligible, small_seq_from_attention,
                                   small_seq_reference)
 from tests.helpers import rel_err
@@ -110,6 +112,28 @@ def test_head_dims_cpu(d):
       q, k, v, kv_lengths=lengths)
   ref = _numpy_reference(q, k.reshape(64, 2, d), v.reshape(64, 2, d), _padded_rows(lengths, 16), 0.1)
   _assert_close(out, ref, TOL[jnp.bfloat16])
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(tokens=st.integers(1, 40),
+                  cu=st.lists(st.integers(-5, 45), min_size=2, max_size=12))
+def test_ragged_rows_are_disjoint_in_bounds_and_exact_for_valid_input(tokens, cu):
+  """Whatever kv_cu_seqlens holds: rows stay inside [0, Tkv] and never overlap (the backward
+  writes each token's dK/dV once); they match _ragged_rows; valid input passes unchanged."""
+  start, length = (np.asarray(x) for x in jax.jit(ragged_rows, static_argnums=1)(
+      jnp.asarray(cu, jnp.int32), tokens))
+  assert start.shape == length.shape == (len(cu) - 1,)
+  assert np.all(length >= 0) and np.all(start >= 0) and np.all(start + length <= tokens)
+  owner = np.full(tokens, -1)
+  for b, (s0, n) in enumerate(zip(start, length)):
+    assert np.all(owner[s0:s0 + n] == -1), f"row {b} overlaps row {owner[s0:s0 + n].max()}"
+    owner[s0:s0 + n] = b
+  want = _ragged_rows(cu, tokens)
+  assert [list(range(s0, s0 + min(n, 16))) for s0, n in zip(start, length)] == want
+  c = np.clip(cu, 0, tokens)
+  if np.all(np.diff(c) >= 0):
+    np.testing.assert_array_equal(start, c[:-1])
+    np.testing.assert_array_equal(length, np.diff(c))
 
 
 @needs_cpu_kernel

@@ -246,8 +246,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     // Column masks of a partial tile: thread k of the warpgroup loads key k's (issued before the
     // tile's GEMMs, stored while they run) into shared memory, double-buffered by the parity of the
     // partial tile, and the softmax reads them there. Loaded by each thread for its own 32 keys,
-    // they were issued one after another (no registers to batch them): a partial tile cost
-    // about nine full ones.
+    // they were issued one after another (no registers to batch them), and a partial tile cost
+    // several full ones.
     ColMask col_next{};
     int n_partial = 0;
     auto load_cols = [&](int jt, int ct) {
