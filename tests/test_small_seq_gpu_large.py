@@ -1,6 +1,6 @@
-"""GPU tests of the persistent small-seq CUDA kernels at batch sizes where every warp walks many
-tasks: its shared-memory ring wraps around many times, it crosses several 32-task metadata
-windows, and tasks of different lengths (zero, clamped, masked) share a ring.
+"""GPU tests of the small-seq CUDA kernels at batch sizes of many waves of blocks (one task, a
+(row, kv head) pair, per warp), with tasks of different lengths (zero, clamped, masked, longer
+than 16) side by side in a block.
 
 Errors are checked row by row (a single wrong row would vanish in a whole-array norm), and
 zero-length rows / uncovered key-value tokens must be exactly zero.

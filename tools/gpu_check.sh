@@ -14,8 +14,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 bash tools/gpu_build.sh || exit 1
 rc=0
 if [[ "$what" == "tests" || "$what" == "all" ]]; then
-  python3 -m pytest -q -m gpu tests/ -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-  rc=${PIPESTATUS[0]}
+  bash tools/gpu_tests.sh
+  rc=$?
   # memcheck of a small case through the whole JAX/FFI stack
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitizer_case.py > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $? ($(grep -c 'Invalid' "$OUT/memcheck.log") invalid accesses)"; tail -3 "$OUT/memcheck.log"
