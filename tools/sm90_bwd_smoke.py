@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import common  # noqa: E402
 
 import jaxcp  # noqa: E402
-from sm90_smoke import rel  # noqa: E402  (tools/ is on sys.path when run as a script)
+from sm90_smoke import random_inputs, rel  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def grads(impl, q, k, v, g, **kw):
@@ -37,11 +37,8 @@ def packed_segments(rng, b, s, max_doc=300, empty_tail=0):
 def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, empty_tail=0):
   skv = skv or s
   rng = np.random.default_rng(0)
-  key = jax.random.PRNGKey(d)
-  q = jax.random.normal(key, (b, s, hq, d), dtype)
-  k = jax.random.normal(jax.random.fold_in(key, 1), (b, skv, hkv, d), dtype)
-  v = jax.random.normal(jax.random.fold_in(key, 2), (b, skv, hkv, d), dtype)
-  g = jax.random.normal(jax.random.fold_in(key, 3), (b, s, hq, d), dtype)
+  q, k, v = random_inputs(d, b, s, skv, hq, hkv, dtype)
+  g = jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(d), 3), (b, s, hq, d), dtype)
   kw = dict(mask)
   if skv == s:
     kw["segment_ids"] = packed_segments(rng, b, s, empty_tail=empty_tail)

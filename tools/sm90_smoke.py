@@ -23,13 +23,19 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None):
-  skv = skv or s
-  rng = np.random.default_rng(0)
+def random_inputs(d, b, s, skv, hq, hkv, dtype):
+  """q [b, s, hq, d] and k, v [b, skv, hkv, d] from PRNGKey(d) (keys d, fold_in 1, fold_in 2)."""
   key = jax.random.PRNGKey(d)
   q = jax.random.normal(key, (b, s, hq, d), dtype)
   k = jax.random.normal(jax.random.fold_in(key, 1), (b, skv, hkv, d), dtype)
   v = jax.random.normal(jax.random.fold_in(key, 2), (b, skv, hkv, d), dtype)
+  return q, k, v
+
+
+def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None):
+  skv = skv or s
+  rng = np.random.default_rng(0)
+  q, k, v = random_inputs(d, b, s, skv, hq, hkv, dtype)
   kw = dict(mask)
   if skv == s:
     lengths = [list(rng.integers(1, 300, 8)) for _ in range(b)]
