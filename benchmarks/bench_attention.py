@@ -59,19 +59,27 @@ QUICK_CASES = [
 ]
 
 
+def cudnn_packed_args(rows, batch):
+  """JAX cuDNN's packed-document arguments: q_seqlen [B, M] (document lengths, -1 after the
+  last) and q_offsets [B, M + 1] (document starts within the row, -1 after the last start: JAX
+  adds the row offsets itself and drops the -1s, so an end offset here would be read as the
+  next row's first document and shift every later row by one document)."""
+  max_docs = max(len(r) for r in rows)
+  seqlen = np.full((batch, max_docs), -1, np.int32)
+  offsets = np.full((batch, max_docs + 1), -1, np.int32)
+  for b, lengths in enumerate(rows):
+    seqlen[b, :len(lengths)] = lengths
+    offsets[b, :len(lengths)] = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+  return seqlen, offsets
+
+
 def _cudnn_packed(case: Case, rows, dtype):
   """JAX's cuDNN attention in its packed-document form (q_seqlen/q_offsets), or None."""
   if case.chunk is not None:
     return None  # cuDNN has no chunked mask
   from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-  max_docs = max(len(r) for r in rows)
-  seqlen = np.full((case.batch, max_docs), -1, np.int32)
-  offsets = np.full((case.batch, max_docs + 1), -1, np.int32)
-  for b, lengths in enumerate(rows):
-    seqlen[b, :len(lengths)] = lengths
-    offsets[b, :len(lengths) + 1] = np.concatenate([[0], np.cumsum(lengths)])
-  seqlen, offsets = jnp.asarray(seqlen), jnp.asarray(offsets)
+  seqlen, offsets = map(jnp.asarray, cudnn_packed_args(rows, case.batch))
   scale = case.head_dim ** -0.5
 
   def f(q, k, v):
@@ -94,6 +102,14 @@ def _jaxcp(case: Case, seg, pos, implementation=None):
     return jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=True, local_window_size=window,
                            chunk_size=case.chunk, implementation=implementation)
   return f
+
+
+def _rel_err(out, ref, live):
+  """Relative L2 error of out against ref over live tokens (padding tokens' outputs are free)."""
+  m = jnp.asarray(live)[:, :, None, None]
+  d = jnp.where(m, out.astype(jnp.float32) - ref.astype(jnp.float32), 0)
+  r = jnp.where(m, ref.astype(jnp.float32), 0)
+  return float(jnp.linalg.norm(d.ravel()) / jnp.maximum(jnp.linalg.norm(r.ravel()), 1e-30))
 
 
 def _time_pair(fn, q, k, v, dout):
@@ -126,6 +142,7 @@ def run_case(case: Case, dtype, quick: bool):
     impls["xla"] = _jaxcp(case, seg, pos, implementation="xla")
   result = dict(case=dataclasses.asdict(case), docs_per_row=[len(r) for r in rows], allowed_pairs=pairs,
                 fwd_flops=fwd_flops)
+  reference = None  # jaxcp's output: every other implementation is checked against it
   for name, fn in impls.items():
     if fn is None:
       continue
@@ -133,6 +150,12 @@ def run_case(case: Case, dtype, quick: bool):
       t_fwd, t_fb = _time_pair(fn, q, k, v, dout)
       result[name] = dict(fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fb * 1e3, fwd_tflops=fwd_flops / t_fwd / 1e12,
                           fwd_bwd_tflops=3.5 * fwd_flops / t_fb / 1e12)
+      out = jax.jit(fn)(q, k, v)
+      if reference is None:
+        reference = out
+      else:  # a fast peer must also compute the same thing
+        result[name]["rel_err_vs_jaxcp"] = _rel_err(out, reference, seg != 0)
+      del out
     except Exception as e:  # out of memory or unsupported: recorded, never fatal
       msg = str(e).splitlines()[0][:200]
       result[name] = dict(error="OOM" if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else msg)
@@ -147,6 +170,12 @@ def _fmt(r, key):
   if "error" in r:
     return "OOM" if r["error"] == "OOM" else "err"
   return f"{r[key]:.0f}" if r[key] >= 10 else f"{r[key]:.2f}"
+
+
+def _peer_errors(r):
+  errs = [f"{n} {r[n]['rel_err_vs_jaxcp']:.1e}" for n in ("cudnn_packed", "cudnn_dense", "xla")
+          if n in r and "rel_err_vs_jaxcp" in r[n]]
+  return ", ".join(errs) or "-"
 
 
 def _ratio(a, b, key):
@@ -179,14 +208,16 @@ def main(argv=None):
                                         for k in ("jaxcp", "cudnn_packed", "cudnn_dense", "xla") if k in r), flush=True)
 
   header = ["case", "docs/row", "jaxcp fwd", "jaxcp fwd+bwd", "cuDNN packed fwd", "cuDNN packed fwd+bwd",
-            "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd", "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN"]
+            "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd", "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN",
+            "peer rel err vs jaxcp"]
   rows = []
   for r in results:
     cud = r.get("cudnn_packed") or r.get("cudnn_dense")
     rows.append([r["case"]["name"], f"{np.mean(r['docs_per_row']):.1f}"]
                 + [_fmt(r.get(n), k) for n in ("jaxcp", "cudnn_packed", "cudnn_dense", "xla")
                    for k in ("fwd_tflops", "fwd_bwd_tflops")]
-                + [_ratio(r.get("jaxcp"), cud, "fwd_tflops"), _ratio(r.get("jaxcp"), cud, "fwd_bwd_tflops")])
+                + [_ratio(r.get("jaxcp"), cud, "fwd_tflops"), _ratio(r.get("jaxcp"), cud, "fwd_bwd_tflops"),
+                   _peer_errors(r)])
   md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}. TFLOP/s over allowed pairs "
         f"(fwd 4*D*Hq*pairs, fwd+bwd 3.5x).")
   if "matmul_bf16_tflops" in meta:

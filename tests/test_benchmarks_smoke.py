@@ -3,6 +3,8 @@ import json
 import os
 import sys
 
+import numpy as np
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
@@ -16,3 +18,16 @@ def test_bench_attention_quick(tmp_path):
   data = json.loads((tmp_path / "attention.json").read_text())
   assert all("jaxcp" in r and "fwd_ms" in r["jaxcp"] for r in data["results"])
   assert (tmp_path / "attention.md").read_text().startswith("Device:")
+
+
+def test_cudnn_packed_args_are_starts_only():
+  """JAX's packed cuDNN form takes document starts, -1 after the last (an end offset would shift
+  every later row of the batch by one document)."""
+  sys.path.insert(0, BENCH)
+  try:
+    from bench_attention import cudnn_packed_args
+  finally:
+    sys.path.remove(BENCH)
+  seqlen, offsets = cudnn_packed_args([[3, 5, 2], [10]], batch=2)
+  np.testing.assert_array_equal(seqlen, [[3, 5, 2], [10, -1, -1]])
+  np.testing.assert_array_equal(offsets, [[0, 3, 8, -1], [0, -1, -1, -1]])

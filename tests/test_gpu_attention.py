@@ -120,9 +120,20 @@ def test_default_implementation_picks_cuda():
 @pytest.mark.parametrize("mask", ["causal", "window", "causal_chunk"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm80_kernels_on_hopper(mask, head_dim, monkeypatch):
-  """On an H100/H200 the forward (D 128/256) and backward (D 64/128) run sm_90a kernels; the
-  sm_80 kernels must stay correct too."""
+  """On an H100/H200 the forward (windows under 512 aside) and backward (D 64/128) run sm_90a
+  kernels; the sm_80 kernels must stay correct too."""
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   rng = np.random.default_rng(3)
   seg = random_segments(rng, 2, 700, mean_doc=150)
   _compare(*_qkv(3, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])
+
+
+@pytest.mark.parametrize("mask", ["window", "causal_window"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_forward_on_short_windows(mask, head_dim, monkeypatch):
+  """Short windows dispatch to the sm_80 forward; the sm_90a one must stay correct on them too
+  (JAXCP_FORCE_SM90 skips the dispatch rule; off Hopper it changes nothing)."""
+  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
+  rng = np.random.default_rng(4)
+  seg = random_segments(rng, 2, 700, mean_doc=150)
+  _compare(*_qkv(4, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])

@@ -5,7 +5,8 @@
 # has cores to spare: one process ran tests/test_gpu_attention.py alone for ~340 s.
 #   bash tools/gpu_tests.sh [pytest args]        (default: every test marked gpu under tests/)
 #   JAXCP_TEST_WORKERS=8 bash tools/gpu_tests.sh tests/test_small_seq_gpu_large.py
-# Log: $OUT/gpu_tests.log (OUT: the device tool's folder, or ./gpu_results).
+# Log, one line per test (a run cut short still shows what passed): $OUT/gpu_tests.log
+# (OUT: the device tool's folder, or ./gpu_results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_results}"
@@ -18,6 +19,6 @@ if python3 -c "import xdist" 2>/dev/null; then
 fi
 args=("$@")
 [[ ${#args[@]} -eq 0 ]] && args=(tests/)
-python3 -m pytest -q -m gpu "${parallel[@]}" -p no:cacheprovider --durations=10 "${args[@]}" 2>&1 \
+python3 -m pytest -v -m gpu "${parallel[@]}" -p no:cacheprovider --durations=10 "${args[@]}" 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -25
 exit "${PIPESTATUS[0]}"

@@ -1,6 +1,11 @@
 """Quick check of the sm_90a forward kernel against the sm_80 one and the XLA reference, plus a
 forward timing of both on a few benchmark shapes (a development aid; tests/test_gpu_attention.py
-is the real test).   python tools/sm90_smoke.py"""
+is the real test).   python tools/sm90_smoke.py [--no-timing]
+
+The checks force the sm_90a kernel (JAXCP_FORCE_SM90=1) so that it is tested on every mask and
+head dim, whatever the dispatch rule picks; the timings show the rule's pick, the forced sm_90a
+kernel and the sm_80 kernel side by side, which is how the rule (fwd_use_sm90) is measured."""
+import contextlib
 import os
 import sys
 
@@ -12,6 +17,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import common  # noqa: E402
 
 import jaxcp  # noqa: E402
+
+
+@contextlib.contextmanager
+def env(**values):
+  """Sets environment variables (the FFI handlers read them per call) for the duration."""
+  old = {k: os.environ.get(k) for k in values}
+  os.environ.update(values)
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 def fwd(q, k, v, **kw):
@@ -48,10 +68,10 @@ def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None):
         if pos >= s:
           break
     kw["segment_ids"] = jnp.asarray(seg)
-  out, lse = fwd(q, k, v, **kw)
-  os.environ["JAXCP_DISABLE_SM90"] = "1"
-  out80, lse80 = fwd(q, k, v, **kw)
-  del os.environ["JAXCP_DISABLE_SM90"]
+  with env(JAXCP_FORCE_SM90="1"):
+    out, lse = fwd(q, k, v, **kw)
+  with env(JAXCP_DISABLE_SM90="1"):
+    out80, lse80 = fwd(q, k, v, **kw)
   ref, ref_lse = jax.jit(lambda q, k, v: jaxcp.attention(q, k, v, implementation="xla", return_residual=True, **kw))(q, k, v)
   fin = np.isfinite(np.asarray(ref_lse))
   same_inf = bool((np.isneginf(np.asarray(lse)) == np.isneginf(np.asarray(ref_lse))).all())
@@ -61,28 +81,32 @@ def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None):
         f"nan {bool(np.isnan(np.asarray(out, np.float32)).any())}", flush=True)
 
 
-def timing(name, b, s, mean_doc, hq, hkv, d, window=None):
+def timing(name, b, s, mean_doc, hq, hkv, d, window=None, chunk=None):
   rng = np.random.default_rng(0)
   rows = common.packed_rows(rng, b, s, mean_doc)
   seg, pos = common.segments_and_positions(rows, s)
   w = (window - 1, 0) if window else None
-  pairs = common.allowed_pairs(rows, causal=True, window=w)
+  pairs = common.allowed_pairs(rows, causal=True, window=w, chunk=chunk)
   flops = 4 * d * hq * pairs
   key = jax.random.PRNGKey(1)
   q = jax.random.normal(key, (b, s, hq, d), jnp.bfloat16)
   k = jax.random.normal(jax.random.fold_in(key, 1), (b, s, hkv, d), jnp.bfloat16)
   v = jax.random.normal(jax.random.fold_in(key, 2), (b, s, hkv, d), jnp.bfloat16)
   f = jax.jit(lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=jnp.asarray(seg), positions=jnp.asarray(pos),
-                                              is_causal=True, local_window_size=w, implementation="cuda"))
-  t90 = common.time_fn(f, q, k, v)
-  os.environ["JAXCP_DISABLE_SM90"] = "1"
-  t80 = common.time_fn(f, q, k, v)
-  del os.environ["JAXCP_DISABLE_SM90"]
+                                              is_causal=True, local_window_size=w, chunk_size=chunk,
+                                              implementation="cuda"))
+  t_rule = common.time_fn(f, q, k, v)
+  with env(JAXCP_FORCE_SM90="1"):
+    t90 = common.time_fn(f, q, k, v)
+  with env(JAXCP_DISABLE_SM90="1"):
+    t80 = common.time_fn(f, q, k, v)
   import bench_attention as ba
-  case = ba.Case(name, b, s, mean_doc, q_heads=hq, kv_heads=hkv, head_dim=d, window=window)
-  t_cudnn = common.time_fn(jax.jit(ba._cudnn_packed(case, rows, jnp.bfloat16)), q, k, v)
-  print(f"{name}: sm90 {flops / t90 / 1e12:.0f} TFLOP/s, sm80 {flops / t80 / 1e12:.0f}, "
-        f"cudnn {flops / t_cudnn / 1e12:.0f}: sm90/cudnn {t_cudnn / t90:.2f}", flush=True)
+  case = ba.Case(name, b, s, mean_doc, q_heads=hq, kv_heads=hkv, head_dim=d, window=window, chunk=chunk)
+  cudnn = ba._cudnn_packed(case, rows, jnp.bfloat16)
+  t_cudnn = common.time_fn(jax.jit(cudnn), q, k, v) if cudnn else float("nan")
+  tf = lambda t: flops / t / 1e12  # noqa: E731
+  print(f"{name}: rule {tf(t_rule):.0f} TFLOP/s, sm90 {tf(t90):.0f}, sm80 {tf(t80):.0f}, cudnn {tf(t_cudnn):.0f}: "
+        f"sm90/sm80 {t80 / t90:.2f}, sm90/cudnn {t_cudnn / t90:.2f}", flush=True)
 
 
 if __name__ == "__main__":
@@ -102,5 +126,8 @@ if __name__ == "__main__":
     timing("4x16k doc4k", 4, 16384, 4096, 16, 16, 128)
     timing("4x16k doc4k 32/8", 4, 16384, 4096, 32, 8, 128)
     timing("4x16k doc4k win1024", 4, 16384, 4096, 16, 16, 128, window=1024)
+    timing("4x16k doc4k win256", 4, 16384, 4096, 16, 16, 128, window=256)
+    timing("4x16k doc4k chunk2048", 4, 16384, 4096, 16, 16, 128, chunk=2048)
+    timing("4x16k doc4k D64", 4, 16384, 4096, 16, 16, 64)
     timing("1x64k doc1k", 1, 65536, 1024, 16, 16, 128)
     timing("1x128k doc8k", 1, 131072, 8192, 16, 16, 128)

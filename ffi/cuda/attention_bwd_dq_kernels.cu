@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dq_kernel(const
     const int64_t t = static_cast<int64_t>(jt) * BN + c;
     const bool valid = t < p.Skv;
     const int64_t idx = b * p.Skv + (valid ? t : 0);
-    return make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx], p.mask);
+    return make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx]);
   };
 
   typename KT::TiledMma mma;
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dq_kernel(const
     int cls_next = kSkip;
     const int jn = next_tile(j + 1, cls_next);
     const bool has_next = jn < range.y;
-    ColMask cm_next{0, 0, 0};
+    ColMask cm_next{0, 0};
     if (has_next && tidx < BN) cm_next = load_col(jn, tidx);
 
     cp_async_wait<0>();
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dq_kernel(const
     const ColMask* col = s_col + stage * BN;
     CUTE_UNROLL
     for (int ni = 0; ni < kCols; ++ni) {
-      ColMask cm{0, 0, 0};
+      ColMask cm{0, 0};
       if (cls == kPartial) cm = col[get<1>(tScS_rc(0, ni))];
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {

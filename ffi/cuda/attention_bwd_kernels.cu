@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dkdv_kernel(con
   for (int c = tidx; c < BN; c += kThreads) {
     const bool valid = c < kv_rows;
     const int64_t idx = b * p.Skv + k0 + (valid ? c : 0);
-    s_col[c] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx], p.mask);
+    s_col[c] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx]);
   }
   int cls_first = kSkip;
   const int i_first = next_q(range.x, cls_first);  // the same for every head
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dkdv_kernel(con
         const int64_t idx = b * p.Sq + r0 + (valid ? r : 0);
         rm[mi] = make_row_mask(valid, p.q_seg[idx], p.q_pos[idx], p.mask);
       } else {
-        rm[mi] = RowMask{0, 0, 0, 0};
+        rm[mi] = RowMask{0, 0, 0};
       }
     }
 
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dkdv_kernel(con
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     CUTE_UNROLL
     for (int ni = 0; ni < kCols; ++ni) {
-      ColMask cm{0, 0, 0};
+      ColMask cm{0, 0};
       if (cls == kPartial) cm = s_col[get<1>(tScS_rc(0, ni))];
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {

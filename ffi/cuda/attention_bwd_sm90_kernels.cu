@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       const int r = get<0>(tScS_rc(mi, 0));
       const bool valid = r < w.kv_rows;
       const int64_t idx = static_cast<int64_t>(w.b) * p.Skv + w.k0 + (valid ? r : 0);
-      cm[mi] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx], p.mask);
+      cm[mi] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx]);
     }
     TxBarrier::wait(&ss.kv_full, 0);
     typename Pipeline::PipelineState read;
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       for (int ni = 0; ni < kCols; ++ni) {
         const int col = get<1>(tScS_rc(0, ni));
         const float l = lse2[col];
-        const RowMask rm = c == kPartial ? q_masks[col] : RowMask{0, 0, 0, 0};
+        const RowMask rm = c == kPartial ? q_masks[col] : RowMask{0, 0, 0};
         CUTE_UNROLL
         for (int mi = 0; mi < kRows; ++mi) {
           const bool ok = c != kPartial || allowed(rm, cm[mi]);

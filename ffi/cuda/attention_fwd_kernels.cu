@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
     const int64_t t = static_cast<int64_t>(jt) * BN + c;
     const bool valid = t < p.Skv;
     const int64_t idx = static_cast<int64_t>(b) * p.Skv + (valid ? t : 0);
-    return make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx], p.mask);
+    return make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx]);
   };
 
   typename KT::TiledMma tiled_mma;

@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       const int64_t tok = static_cast<int64_t>(jt) * BN + t_wg;
       const bool valid = tok < p.Skv;
       const int64_t idx = static_cast<int64_t>(ti.b) * p.Skv + (valid ? tok : 0);
-      col_next = make_col_mask(valid, __ldg(p.kv_seg + idx), __ldg(p.kv_pos + idx), p.mask);
+      col_next = make_col_mask(valid, __ldg(p.kv_seg + idx), __ldg(p.kv_pos + idx));
     };
     auto store_cols = [&](int ct) {
       if (ct != kPartial) return;
@@ -389,10 +389,10 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
 template <class Element, int D>
 using FwdSm90TraitsFor = FwdSm90Traits<Element, D, fwd_sm90_block_n(D), 2>;
 
-// Head dim 64 stays on the sm_80 kernel (fwd_use_sm90).
 template <class Element>
 cudaError_t dispatch_fwd_sm90(const FwdParams& p, int64_t batch, int64_t d, cudaStream_t stream) {
   switch (d) {
+    case 64: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 64>>(p, batch, stream);
     case 128: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 128>>(p, batch, stream);
     case 256: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 256>>(p, batch, stream);
     default: return cudaErrorInvalidValue;
@@ -425,14 +425,20 @@ bool sm90_disabled_by_env() {
   return env != nullptr && env[0] != '\0' && env[0] != '0';
 }
 
+// JAXCP_FORCE_SM90=1 (a development aid, for measuring the rule below) skips the shape rule.
+static bool sm90_forced_by_env() {
+  const char* env = std::getenv("JAXCP_FORCE_SM90");
+  return env != nullptr && env[0] != '\0' && env[0] != '0';
+}
+
 bool fwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;
-  // Measured on H200 (benchmarks/README.md): the sm_80 kernel, with several CTAs per
-  // multiprocessor, is faster for head dim 64 and for short sliding windows, whose query tiles
-  // see only a few key tiles each, and for chunked masks (its key masks are computed once per
-  // tile in shared memory; here every thread derives the chunk of each of its columns).
-  if (a.shape.head_dim == 64 || a.mask.chunk_size > 0) return false;
-  if (a.mask.window_left >= 0 && a.mask.window_left < 4096) return false;
+  if (sm90_forced_by_env()) return sm90_kernels_available();
+  // Measured on an H100 (tools/sm90_smoke.py, session 5, sm_90a / sm_80 time ratio): D 64
+  // 1.06-1.24x, chunk 2048 1.07x, window 1024 1.11x, but window 256 0.92x: with a short window a
+  // query tile sees only a few key tiles, and the sm_80 kernel's several CTAs per multiprocessor
+  // hide the per-CTA start that the one 384-thread sm_90a CTA exposes.
+  if (a.mask.window_left >= 0 && a.mask.window_left < 512) return false;
   return sm90_kernels_available();
 }
 
