@@ -54,9 +54,10 @@ struct FwdSm90Traits {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    ColMask cols[2][2][kBN];  // [consumer warpgroup][parity of the partial tile][key]
+    ColMask cols[kStages][kBN];  // key masks of a partial tile, in the stage of its K/V
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     alignas(8) uint64_t q_full;
+    alignas(8) uint64_t cols_full[kStages];  // 32 producer lanes arrive as their copies land
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
@@ -112,6 +113,19 @@ __forceinline__ __device__ int fwd_next_tile(const FwdParams& p, TileSummary qsu
   return j;
 }
 
+// Copies one int32 from global to shared memory asynchronously (zeros when !valid: nothing read).
+__forceinline__ __device__ void cp_async_i32(int32_t* dst, const int32_t* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+// Arrives on the mbarrier once this thread's earlier cp.async copies have landed (counts as one
+// of the barrier's expected arrivals).
+__forceinline__ __device__ void cp_async_arrive(uint64_t* bar) {
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(b) : "memory");
+}
+
 template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, 1)
     attention_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params<KT> P) {
@@ -129,7 +143,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   const auto pp = tma_pipeline_params<Pipeline>(KT::kTileBytes, KT::kConsumerThreads);
   Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
   Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) TxBarrier::init(&ss.q_full, 1);
+  if (threadIdx.x == 0) {
+    TxBarrier::init(&ss.q_full, 1);
+    for (int st = 0; st < KT::kNStages; ++st) cutlass::arch::ClusterBarrier::init(&ss.cols_full[st], 32);
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -138,9 +155,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
 
   if (warp_group == 0) {
-    // ---------------- producer: one thread issues every TMA load ----------------
+    // ---------------- producer: lane 0 issues every TMA load ----------------
+    // The 32 lanes of warp 0 copy the key masks of each partial tile into the K/V stage it uses
+    // (cp.async, landing on cols_full), so the consumers read them from shared memory with no
+    // global load of their own and no barrier beyond that one.
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
     const int Sq = static_cast<int>(p.Sq), Skv = static_cast<int>(p.Skv);
     Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, P.batch));
     Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
@@ -151,21 +172,40 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       int c = kSkip;
       int j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, ti.range.x, c);
       if (j >= ti.range.y) return;  // the consumers write this tile's zeros
+      const int32_t* kv_seg = p.kv_seg + static_cast<int64_t>(ti.b) * p.Skv;
+      const int32_t* kv_pos = p.kv_pos + static_cast<int64_t>(ti.b) * p.Skv;
       Tensor gQ = local_tile(mQ(_, _, ti.h, ti.b), Shape<Int<BM>, Int<D>>{}, make_coord(ti.m_block, _0{}));
       auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       Tensor gK = local_tile(mK(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
       auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       Tensor gV = local_tile(mV(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
       auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
-      copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
+      if (lane == 0) {
+        TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
+        copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
+      }
       for (; j < ti.range.y; j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, j + 1, c)) {
-        pipe_k.producer_acquire(write);
-        copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
-        pipe_v.producer_acquire(write);
-        copy(P.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, j), tVs(_, write.index()));
+        if (lane == 0) {
+          pipe_k.producer_acquire(write);
+          copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
+          pipe_v.producer_acquire(write);
+          copy(P.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, j), tVs(_, write.index()));
+        }
+        __syncwarp();  // the stage is free (V of its previous tile consumed): its masks may be written
+        if (c == kPartial) {
+          ColMask* cols = ss.cols[write.index()];
+          CUTE_UNROLL
+          for (int n = lane; n < BN; n += 32) {
+            const int64_t tok = static_cast<int64_t>(j) * BN + n;
+            const bool valid = tok < p.Skv;  // past the end: seg 0, which no live row matches
+            cp_async_i32(&cols[n].seg, kv_seg + (valid ? tok : 0), valid);
+            cp_async_i32(&cols[n].pos, kv_pos + (valid ? tok : 0), valid);
+          }
+        }
+        cp_async_arrive(&ss.cols_full[write.index()]);  // every tile, so the phases follow the stages
         ++write;
       }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
     }
     return;
   }
@@ -197,8 +237,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
-  // Turn-taking between the two consumer warpgroups (named barriers 1 and 2; 3, 4: epilogue;
-  // 5, 6: column masks).
+  // Turn-taking between the two consumer warpgroups (named barriers 1 and 2; 3, 4: epilogue).
   auto sched_wait = [&]() { cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1 + wg); };
   auto sched_pass = [&]() { cutlass::arch::NamedBarrier::arrive(KT::kConsumerThreads, 2 - wg); };
   if (wg == 1) sched_pass();  // warpgroup 0 goes first
@@ -243,32 +282,16 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     clear(acc_o);
 
-    // Column masks of a partial tile: thread k of the warpgroup loads key k's (issued before the
-    // tile's GEMMs, stored while they run) into shared memory, double-buffered by the parity of the
-    // partial tile, and the softmax reads them there. Loaded by each thread for its own 32 keys,
-    // they were issued one after another (no registers to batch them), and a partial tile cost
-    // several full ones.
-    ColMask col_next{};
-    int n_partial = 0;
-    auto load_cols = [&](int jt, int ct) {
-      if (ct != kPartial || t_wg >= BN) return;
-      const int64_t tok = static_cast<int64_t>(jt) * BN + t_wg;
-      const bool valid = tok < p.Skv;
-      const int64_t idx = static_cast<int64_t>(ti.b) * p.Skv + (valid ? tok : 0);
-      col_next = make_col_mask(valid, __ldg(p.kv_seg + idx), __ldg(p.kv_pos + idx));
-    };
-    auto store_cols = [&](int ct) {
-      if (ct != kPartial) return;
-      if (t_wg < BN) ss.cols[wg][n_partial & 1][t_wg] = col_next;
-      cutlass::arch::NamedBarrier::sync(128, 5 + wg);
-    };
-
     // Scale, mask (partial tiles only) and the online softmax of S_j; corr[] rescales O.
-    auto softmax = [&](int ct) {
+    // A partial tile's key masks: in shared memory once cols_full of its stage completes the
+    // phase of the stage's use (the K state's, taken before it advanced). They stay until V of
+    // this tile is released after the next P V, which the producer waits for before rewriting.
+    auto softmax = [&](int ct, int stage, int phase) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= p.scale_log2;
       if (ct == kPartial) {
-        const ColMask* cols = ss.cols[wg][n_partial++ & 1];
+        cutlass::arch::ClusterBarrier::wait(&ss.cols_full[stage], phase);
+        const ColMask* cols = ss.cols[stage];
         CUTE_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
           const ColMask cm = cols[get<1>(tScS_rc(0, ni))];
@@ -287,25 +310,23 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       }
     };
 
-    load_cols(j, c);
     TxBarrier::wait(&ss.q_full, 0);
     // First key tile: S only.
     pipe_k.consumer_wait(read_k);
     sched_wait();
     wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
     sched_pass();
-    store_cols(c);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
     pipe_k.consumer_release(read_k);
+    int stage = read_k.index(), phase = read_k.phase();
     ++read_k;
     TileSummary pre = prefetch(j);
-    softmax(c);
+    softmax(c, stage, phase);
     convert_into(rP, acc_s);
     j = advance(j, pre, c);
     for (; j < end; j = advance(j, pre, c)) {
       pre = prefetch(j);
-      load_cols(j, c);
       pipe_k.consumer_wait(read_k);
       sched_wait();
       wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
@@ -313,12 +334,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       pipe_v.consumer_wait(read_v);
       wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
       sched_pass();
-      store_cols(c);
       warpgroup_wait<1>();  // S_j is ready; P V still running
       warpgroup_fence_operand(acc_s);
       pipe_k.consumer_release(read_k);
+      stage = read_k.index();
+      phase = read_k.phase();
       ++read_k;
-      softmax(c);
+      softmax(c, stage, phase);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       warpgroup_fence_operand(rP);
