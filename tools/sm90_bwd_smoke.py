@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import common  # noqa: E402
 
 import jaxcp  # noqa: E402
-from sm90_smoke import random_inputs, rel  # noqa: E402  (tools/ is on sys.path when run as a script)
+from sm90_smoke import env, random_inputs, rel  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def grads(impl, q, k, v, g, **kw):
@@ -43,9 +43,8 @@ def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, empty_
   if skv == s:
     kw["segment_ids"] = packed_segments(rng, b, s, empty_tail=empty_tail)
   g90 = grads("cuda", q, k, v, g, **kw)
-  os.environ["JAXCP_DISABLE_SM90"] = "1"
-  g80 = grads("cuda", q, k, v, g, **kw)
-  del os.environ["JAXCP_DISABLE_SM90"]
+  with env(JAXCP_DISABLE_SM90="1"):
+    g80 = grads("cuda", q, k, v, g, **kw)
   ref = grads("xla", q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
               g.astype(jnp.float32), **kw)
   errs = " ".join(f"{n} {rel(a, r):.1e}/{rel(c, r):.1e}" for n, a, c, r in zip("qkv", g90, g80, ref))
@@ -54,17 +53,9 @@ def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, empty_
         f"rel err sm90/sm80 d{errs}; nan {nan}", flush=True)
 
 
-def timed_with_env(env, make, *args):
-  old = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
+def timed_with_env(values, make, *args):
+  with env(**values):
     return common.time_fn(make(), *args)
-  finally:
-    for k, v in old.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
 
 
 def timing(name, b, s, mean_doc, hq, hkv, d, window=None, variants=()):
