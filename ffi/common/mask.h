@@ -1,8 +1,11 @@
-// The mask model of DESIGN.md section 1, shared by host and device code.
-// A (query token, key token) pair may interact iff every rule below holds;
-// the mask depends only on per-token (segment id, position), never on memory order.
+// The mask model of DESIGN.md section 1, shared by host and device code. A (query, key) pair
+// may interact iff all of: the same segment id, not 0 (padding); causal: kv_pos <= q_pos;
+// window: q_pos - window_left <= kv_pos <= q_pos + window_right (each side when >= 0); chunk:
+// floor(q_pos / C) == floor(kv_pos / C). The mask depends only on per-token (segment id,
+// position), never on memory order.
 #pragma once
 #include <cstdint>
+#include <climits>
 
 #if defined(__CUDACC__)
 #define JAXCP_HD __host__ __device__ __forceinline__
@@ -27,16 +30,55 @@ JAXCP_HD int64_t floor_div(int64_t a, int64_t b) {
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 
-JAXCP_HD bool pair_allowed(int32_t q_seg, int32_t q_pos, int32_t kv_seg, int32_t kv_pos,
-                           const MaskParams& m) {
-  if (q_seg != kv_seg || q_seg == 0) return false;
-  const int64_t d = static_cast<int64_t>(q_pos) - kv_pos;
-  if (m.causal && d < 0) return false;
-  if (m.window_left >= 0 && d > m.window_left) return false;
-  if (m.window_right >= 0 && -d > m.window_right) return false;
-  if (m.chunk_size > 0 && floor_div(q_pos, m.chunk_size) != floor_div(kv_pos, m.chunk_size))
-    return false;
-  return true;
+// Per-element mask, those rules in the form the kernels test them: a query row becomes its
+// segment and an interval [lo, hi] of allowed key positions (causal, window and chunk folded in,
+// int32-clamped; keys share the row's chunk exactly when their position lies in the chunk's
+// interval), a key its (segment, position). Padding rows (segment 0), rows marked invalid and
+// rows whose interval is empty get an empty [lo, hi].
+struct alignas(16) RowMask {
+  int32_t seg, lo, hi;
+};
+struct alignas(8) ColMask {
+  int32_t seg, pos;
+};
+
+JAXCP_HD RowMask make_row_mask(bool valid, int32_t seg, int32_t pos, const MaskParams& m) {
+  int64_t lo = INT32_MIN, hi = INT32_MAX;
+  if (m.causal) hi = hi < pos ? hi : pos;
+  if (m.window_left >= 0) {
+    const int64_t l = static_cast<int64_t>(pos) - m.window_left;
+    lo = lo > l ? lo : l;
+  }
+  if (m.window_right >= 0) {
+    const int64_t h = static_cast<int64_t>(pos) + m.window_right;
+    hi = hi < h ? hi : h;
+  }
+  if (m.chunk_size > 0) {
+    const int64_t c0 = floor_div(pos, m.chunk_size) * m.chunk_size;
+    lo = lo > c0 ? lo : c0;
+    hi = hi < c0 + m.chunk_size - 1 ? hi : c0 + m.chunk_size - 1;
+  }
+  RowMask r;
+  r.seg = seg;
+  if (!valid || seg == 0 || lo > hi) {
+    r.lo = INT32_MAX;
+    r.hi = INT32_MIN;
+  } else {
+    r.lo = static_cast<int32_t>(lo < INT32_MIN ? INT32_MIN : lo);
+    r.hi = static_cast<int32_t>(hi > INT32_MAX ? INT32_MAX : hi);
+  }
+  return r;
+}
+
+JAXCP_HD ColMask make_col_mask(bool valid, int32_t seg, int32_t pos) {
+  ColMask c;
+  c.seg = valid ? seg : 0;  // seg 0 never matches a live row (live rows have seg != 0)
+  c.pos = pos;
+  return c;
+}
+
+JAXCP_HD bool allowed(const RowMask& r, const ColMask& c) {
+  return (c.seg == r.seg) & (c.pos >= r.lo) & (c.pos <= r.hi);
 }
 
 // Summary of a tile of tokens: ranges of segment ids and positions. Used to classify a

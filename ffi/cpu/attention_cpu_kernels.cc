@@ -41,11 +41,11 @@ void attention_fwd(const AttentionArgs& a, const float* q, const float* k, const
     for (int64_t hq = hk * G; hq < (hk + 1) * G; ++hq) {
       for (int64_t i = 0; i < s.q_len; ++i) {
         const float* qi = q + b * st.q_batch + i * st.q_row + hq * D;
-        const int32_t qs = q_seg[b * s.q_len + i], qp = q_pos[b * s.q_len + i];
+        const RowMask rm = make_row_mask(true, q_seg[b * s.q_len + i], q_pos[b * s.q_len + i], a.mask);
         float m = -std::numeric_limits<float>::infinity(), l = 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t j = 0; j < s.kv_len; ++j) {
-          if (!pair_allowed(qs, qp, kv_seg[b * s.kv_len + j], kv_pos[b * s.kv_len + j], a.mask))
+          if (!allowed(rm, make_col_mask(true, kv_seg[b * s.kv_len + j], kv_pos[b * s.kv_len + j])))
             continue;
           const float* kj = k + b * st.kv_batch + j * st.kv_row + hk * D;
           const float* vj = v + b * st.kv_batch + j * st.kv_row + hk * D;
@@ -91,9 +91,9 @@ void attention_bwd(const AttentionArgs& a, const float* q, const float* k, const
         const float *qi = q + qoff, *oi = out + qoff, *doi = dout + qoff;
         // d lse / d s_ij = p_ij, so the lse cotangent folds into delta.
         const float delta = dot(doi, oi, D) - dlse[row];
-        const int32_t qs = q_seg[b * s.q_len + i], qp = q_pos[b * s.q_len + i];
+        const RowMask rm = make_row_mask(true, q_seg[b * s.q_len + i], q_pos[b * s.q_len + i], a.mask);
         for (int64_t j = 0; j < s.kv_len; ++j) {
-          if (!pair_allowed(qs, qp, kv_seg[b * s.kv_len + j], kv_pos[b * s.kv_len + j], a.mask))
+          if (!allowed(rm, make_col_mask(true, kv_seg[b * s.kv_len + j], kv_pos[b * s.kv_len + j])))
             continue;
           const int64_t koff = b * st.kv_batch + j * st.kv_row + hk * D;
           const float p = std::exp(a.scale * dot(qi, k + koff, D) - li);

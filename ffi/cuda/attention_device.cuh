@@ -235,58 +235,8 @@ __forceinline__ __device__ void online_softmax(S& s, float (&row_max)[kRows], fl
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Per-element mask. pair_allowed(q, kv) <=> kv.seg == row.seg && row.lo <= kv.pos <= row.hi,
-// with the row's window and chunk folded into [lo, hi] (int32-clamped): keys share the row's
-// chunk exactly when their position lies in the chunk's interval, so a key needs only (seg, pos).
-// Padding rows, out-of-range rows and rows whose interval is empty get an empty [lo, hi].
-// ---------------------------------------------------------------------------------------------
-struct alignas(16) RowMask {
-  int32_t seg, lo, hi;
-};
-struct alignas(8) ColMask {
-  int32_t seg, pos;
-};
-
-__forceinline__ __device__ RowMask make_row_mask(bool valid, int32_t seg, int32_t pos,
-                                                 const MaskParams& m) {
-  int64_t lo = INT32_MIN, hi = INT32_MAX;
-  if (m.causal) hi = hi < pos ? hi : pos;
-  if (m.window_left >= 0) {
-    const int64_t l = static_cast<int64_t>(pos) - m.window_left;
-    lo = lo > l ? lo : l;
-  }
-  if (m.window_right >= 0) {
-    const int64_t h = static_cast<int64_t>(pos) + m.window_right;
-    hi = hi < h ? hi : h;
-  }
-  if (m.chunk_size > 0) {
-    const int64_t c0 = floor_div(pos, m.chunk_size) * m.chunk_size;
-    lo = lo > c0 ? lo : c0;
-    hi = hi < c0 + m.chunk_size - 1 ? hi : c0 + m.chunk_size - 1;
-  }
-  RowMask r;
-  r.seg = seg;
-  if (!valid || seg == 0 || lo > hi) {
-    r.lo = INT32_MAX;
-    r.hi = INT32_MIN;
-  } else {
-    r.lo = static_cast<int32_t>(lo < INT32_MIN ? INT32_MIN : lo);
-    r.hi = static_cast<int32_t>(hi > INT32_MAX ? INT32_MAX : hi);
-  }
-  return r;
-}
-
-__forceinline__ __device__ ColMask make_col_mask(bool valid, int32_t seg, int32_t pos) {
-  ColMask c;
-  c.seg = valid ? seg : 0;  // seg 0 never matches a live row (live rows have seg != 0)
-  c.pos = pos;
-  return c;
-}
-
-__forceinline__ __device__ bool allowed(const RowMask& r, const ColMask& c) {
-  return (c.seg == r.seg) & (c.pos >= r.lo) & (c.pos <= r.hi);
-}
+// Per-element masks (RowMask, ColMask, make_row_mask, make_col_mask, allowed): ../common/mask.h,
+// shared with the CPU kernels so that the CPU tests check the same interval rule.
 
 // Tile class with the bounds folded in: a tile that runs past the end of its sequence is never
 // "full" (its out-of-range tokens must be masked).
