@@ -98,3 +98,21 @@ def use_kernel_variant(monkeypatch, env: str, v1: bool):
     monkeypatch.delenv(env, raising=False)
   jax.clear_caches()
   registry.ensure_registered()
+
+
+def token_mask_bits(mask, s):
+  """[B, s] booleans of small-seq token masks (bit t of mask[b] keeps token t; -1 keeps all)."""
+  return ((np.asarray(mask)[:, None] >> np.arange(s)) & 1) == 1
+
+
+def padded_small_seq_index(rng: np.random.Generator, b: int, s: int):
+  """Padded small-seq lengths and token masks with the edge cases (out-of-range lengths,
+  rows of length 0 and s, a row with every token masked off, half the rows unmasked), and the
+  [B, s] tokens they leave valid."""
+  lengths = rng.integers(-2, s + 3, b).astype(np.int32)  # out of range: clamped
+  lengths[:2] = (0, s)
+  mask = rng.integers(0, 1 << s, b).astype(np.int32)
+  mask[rng.random(b) < 0.5] = -1
+  mask[2] = 0  # a row with every token masked off
+  valid = (np.arange(s)[None, :] < np.clip(lengths, 0, s)[:, None]) & token_mask_bits(mask, s)
+  return lengths, mask, valid

@@ -17,7 +17,7 @@ import pytest
 
 from jaxcp._src.small_seq import SmallSeqConfig, local_bwd, small_seq_reference
 
-from .helpers import rand, rows_close, use_kernel_variant
+from .helpers import padded_small_seq_index, rand, rows_close, token_mask_bits, use_kernel_variant
 
 ENV = "JAXCP_SMALL_SEQ_BWD_V1"
 TOL = {jnp.bfloat16: 4e-2, jnp.float16: 8e-3}
@@ -49,20 +49,11 @@ def _check(monkeypatch, dtype, q, k, v, dout, index, config, valid):
     rows_close(g, g1, PAIR_TOL[dtype], f"new vs v1 {what}")
 
 
-def _mask_bits(mask, s):
-  return ((np.asarray(mask)[:, None] >> np.arange(s)) & 1) == 1
-
-
 def _padded_case(rng, dtype, d, s, hq, hkv, b, v_scale=1.0, dout_scale=1.0):
   q = rand(rng, (b, hq, d), dtype)
   k, v = rand(rng, (b, s, hkv, d), dtype), rand(rng, (b, s, hkv, d), dtype, v_scale)
   dout = rand(rng, (b, hq, d), dtype, dout_scale)
-  lengths = rng.integers(-2, s + 3, b).astype(np.int32)  # out of range: clamped
-  lengths[:2] = (0, s)
-  mask = rng.integers(0, 1 << s, b).astype(np.int32)
-  mask[rng.random(b) < 0.5] = -1
-  mask[2] = 0  # a row with every token masked off
-  valid = (np.arange(s)[None, :] < np.clip(lengths, 0, s)[:, None]) & _mask_bits(mask, s)
+  lengths, mask, valid = padded_small_seq_index(rng, b, s)
   return q, k, v, dout, (jnp.asarray(lengths), jnp.asarray(mask)), valid
 
 
@@ -120,7 +111,7 @@ def test_gpu_bwd_variants_ragged(monkeypatch, dtype, d, hq, hkv):
   config = SmallSeqConfig(0.7 * d ** -0.5, 16, True)
   st = np.clip(start, 0, t)
   ln = np.minimum(np.clip(length, 0, 16), t - st)
-  valid = (np.arange(16)[None, :] < ln[:, None]) & _mask_bits(mask, 16)
+  valid = (np.arange(16)[None, :] < ln[:, None]) & token_mask_bits(mask, 16)
   index = tuple(jnp.asarray(x) for x in (start, length, mask))
   _check(monkeypatch, dtype, q, k, v, dout, index, config, valid)
 

@@ -14,7 +14,7 @@ import pytest
 
 from jaxcp._src.small_seq import SmallSeqConfig, local_fwd, small_seq_reference
 
-from .helpers import rand, rows_close, use_kernel_variant
+from .helpers import padded_small_seq_index, rand, rows_close, token_mask_bits, use_kernel_variant
 
 ENV = "JAXCP_SMALL_SEQ_FWD_V1"
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
@@ -45,10 +45,6 @@ def _check(monkeypatch, dtype, q, k, v, index, config, valid):
   np.testing.assert_allclose(probs, probs1, atol=5e-5, rtol=0, err_msg="new vs v1 probs")
 
 
-def _mask_bits(mask, s):
-  return ((np.asarray(mask)[:, None] >> np.arange(s)) & 1) == 1
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d,s,hq,hkv,b", [
     (jnp.bfloat16, 128, 16, 16, 4, 3000),  # the GQA benchmark shape
@@ -65,13 +61,8 @@ def test_gpu_fwd_variants_padded(monkeypatch, dtype, d, s, hq, hkv, b):
   rng = np.random.default_rng(31)
   q = rand(rng, (b, hq, d), dtype)
   k, v = rand(rng, (b, s, hkv, d), dtype), rand(rng, (b, s, hkv, d), dtype)
-  lengths = rng.integers(-2, s + 3, b).astype(np.int32)  # out of range: clamped
-  lengths[:2] = (0, s)
-  mask = rng.integers(0, 1 << s, b).astype(np.int32)
-  mask[rng.random(b) < 0.5] = -1
-  mask[2] = 0  # a row with every token masked off
+  lengths, mask, valid = padded_small_seq_index(rng, b, s)
   config = SmallSeqConfig(d ** -0.5, s, False)
-  valid = (np.arange(s)[None, :] < np.clip(lengths, 0, s)[:, None]) & _mask_bits(mask, s)
   _check(monkeypatch, dtype, q, k, v, (jnp.asarray(lengths), jnp.asarray(mask)), config, valid)
 
 
@@ -94,7 +85,7 @@ def test_gpu_fwd_variants_ragged(monkeypatch, dtype, d, hq, hkv):
   config = SmallSeqConfig(0.7 * d ** -0.5, 16, True)
   st = np.clip(start, 0, t)
   ln = np.minimum(np.clip(length, 0, 16), t - st)
-  valid = (np.arange(16)[None, :] < ln[:, None]) & _mask_bits(mask, 16)
+  valid = (np.arange(16)[None, :] < ln[:, None]) & token_mask_bits(mask, 16)
   index = tuple(jnp.asarray(x) for x in (start, length, mask))
   _check(monkeypatch, dtype, q, k, v, index, config, valid)
 
