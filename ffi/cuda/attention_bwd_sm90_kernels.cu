@@ -11,9 +11,11 @@
 //   dV += P^T dO, dK += dS^T Q                        (register-A wgmma, accumulators in registers)
 //   dQ_tile = dS K                                    (dS^T through shared memory, both warpgroups)
 // dQ_tile goes through shared memory into a float32 accumulator in global memory by one bulk
-// reduce-add per warpgroup (cp.reduce.async.bulk: no per-element atomics). The accumulator keeps
-// each tile in the warpgroups' register-fragment order (contiguous, conflict-free shared-memory
-// writes); bwd_sm90_dq_convert_kernel maps it back to [B, Sq, Hq, D], scaled, in the dtype.
+// reduce-add (cp.reduce.async.bulk: no per-element atomics), issued by a writer warp of the
+// producer warpgroup so that the consumers only store and go on. dK is issued in two halves
+// around the dQ GEMM, so that the tensor cores have work while dQ is stored. The accumulator
+// keeps each tile in the warpgroups' register-fragment order (contiguous, conflict-free
+// shared-memory writes); bwd_sm90_dq_convert_kernel maps it back to [B, Sq, Hq, D], scaled.
 #include <climits>
 
 #include "attention_bwd.cuh"
@@ -30,6 +32,10 @@ struct BwdSm90Traits {
   static_assert(kBN == bwd_block_n(kHeadDim), "the host plan's key tiles");
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumerThreads = 256;
+  // Named barriers: 0 __syncthreads; 1 both consumer warpgroups' dS are in shared memory; 2 / 3
+  // the dQ buffer is empty / full (consumers + the writer warp); 4, 5 a warpgroup's query masks.
+  static constexpr int kBarDS = 1, kBarDQEmpty = 2, kBarDQFull = 3, kBarQMasks = 4;
+  static constexpr int kDQSyncThreads = kConsumerThreads + 32;
 
   // Keys as rows: one 64-key slab per consumer warpgroup.
   using AtomRows = Layout<Shape<_2, _1, _1>>;
@@ -79,7 +85,7 @@ struct BwdSm90Traits {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
     cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
-    cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]
+    cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]: one tile
     cute::array_aligned<float, kBM * kStages, 128> lse2;
     cute::array_aligned<float, kBM * kStages, 128> delta;
     RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
@@ -152,9 +158,30 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
 
   if (warp_group == 0) {
-    // ---------------- producer: one thread issues every load ----------------
     cutlass::arch::warpgroup_reg_dealloc<24>();
-    if (threadIdx.x != 0 || !any_work) return;
+    if (!any_work) return;
+    if (threadIdx.x / 32 == 1) {
+      // ---------------- dQ writer warp: one bulk reduce-add per step ----------------
+      int h = w.h_begin, i = i_first, c = cls_first;
+      bool more = true;
+      cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);  // starts empty
+      do {
+        const int hs = h, is = i;
+        more = next_step(h, i, c);
+        cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull);
+        if (threadIdx.x == 32) {
+          bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D), ss.dq.data(), BM * D * 4);
+          tma_store_arrive();
+          tma_store_wait<0>();  // the buffer has been read
+        }
+        __syncwarp();
+        if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
+      } while (more);
+      if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+      return;
+    }
+    // ---------------- producer: one thread issues every load ----------------
+    if (threadIdx.x != 0) return;
     const int Sq = static_cast<int>(p.Sq), Skv = static_cast<int>(p.Skv), B = static_cast<int>(p.B);
     Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
     Tensor mdO = P.tma_do.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
@@ -214,7 +241,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, 2)
   Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
-  Tensor tdSsdS = thr_sdp.partition_C(sdSt);          // (MMA, MMA_M, MMA_N, 2)
+  // Stores of dS through the swizzle applied to offsets from a shared-memory pointer (a swizzled
+  // pointer is rebuilt from an integer: generic stores and 64-bit addresses held in registers).
+  Tensor tdSsdS = thr_sdp.partition_C(as_position_independent_swizzle_tensor(sdSt));  // (MMA, M, N, 2)
 
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
@@ -247,8 +276,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     TxBarrier::wait(&ss.kv_full, 0);
     typename Pipeline::PipelineState read;
-    int h = w.h_begin, i = i_first, c = cls_first, ds_stage = 0, n_partial = 0;
+    int i = i_first, c = cls_first, ds_stage = 0, n_partial = 0;
+    int h_next = w.h_begin;
+    bool more = true;
     do {
+      // The next step's tile summary is loaded now and used at the end (off the critical path).
+      int i_next = i, c_next = c;
+      more = next_step(h_next, i_next, c_next);
       const int st = read.index();
       const int64_t q0 = static_cast<int64_t>(i) * BM;
       const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
@@ -270,22 +304,33 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       const RowMask* q_masks = ss.q_masks[wg][n_partial & 1];
       if (c == kPartial) {
         if (t_wg < BM) ss.q_masks[wg][n_partial & 1][t_wg] = rm_next;
-        cutlass::arch::NamedBarrier::sync(128, 4 + wg);
+        cutlass::arch::NamedBarrier::sync(128, KT::kBarQMasks + wg);
         ++n_partial;
       }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
       // P^T, masked on partial tiles (rows past the sequence ends are masked there too, and
-      // their lse2 is +inf).
-      CUTE_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) {
-        const int col = get<1>(tScS_rc(0, ni));
-        const float l = lse2[col];
-        const RowMask rm = c == kPartial ? q_masks[col] : RowMask{0, 0, 0};
+      // their lse2 is +inf). Branch-free: exp2 of every score, then a select.
+      if (c == kPartial) {
         CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) {
-          const bool ok = c != kPartial || allowed(rm, cm[mi]);
-          s_rc(mi, ni) = ok ? exp2f(fmaf(s_rc(mi, ni), p.scale_log2, -l)) : 0.f;
+        for (int ni = 0; ni < kCols; ++ni) {
+          const int col = get<1>(tScS_rc(0, ni));
+          const float l = lse2[col];
+          const RowMask rm = q_masks[col];
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            const float e = exp2f(fmaf(s_rc(mi, ni), p.scale_log2, -l));
+            s_rc(mi, ni) = allowed(rm, cm[mi]) ? e : 0.f;
+          }
+          // Hoisting every column's mask load to the top spilled registers: four at a time.
+          if (ni % 4 == 3) asm volatile("" ::: "memory");
+        }
+      } else {
+        CUTE_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) {
+          const float l = lse2[get<1>(tScS_rc(0, ni))];
+          CUTE_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) s_rc(mi, ni) = exp2f(fmaf(s_rc(mi, ni), p.scale_log2, -l));
         }
       }
       // dV += P^T dO runs on the tensor cores while dS is computed (from the 16-bit P, which frees
@@ -301,7 +346,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         for (int mi = 0; mi < kRows; ++mi) dp_rc(mi, ni) = static_cast<float>(p_rc(mi, ni)) * (dp_rc(mi, ni) - dl);
       }
       convert_into(rdS, acc_dp);
-      wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+      // dK += dS^T Q in two halves: the first covers the dS stores and the barrier, the second
+      // the dQ stores.
+      constexpr int kHalfK = decltype(size<2>(tdKrdS))::value / 2;
+      wgmma_issue<false, 0, kHalfK>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
       // dS^T -> shared memory (both warpgroups' keys), then dQ = dS K. Fragment elements 2e and
       // 2e + 1 are adjacent queries, adjacent in the query-major dS: one 32-bit store per pair.
       Tensor tdSsdS_st = tdSsdS(_, _, _, ds_stage);
@@ -309,33 +357,31 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       for (int e = 0; e < size(rdS) / 2; ++e)
         *reinterpret_cast<uint32_t*>(&tdSsdS_st(2 * e)) = reinterpret_cast<const uint32_t*>(rdS.data())[e];
       cutlass::arch::fence_view_async_shared();
-      if (t_wg == 0) tma_store_wait<0>();  // the last bulk reduce has read this warpgroup's dQ
-      cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1);
+      cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
       wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
+      wgmma_issue<false, kHalfK>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+      warpgroup_wait<1>();  // dQ done, the second half of dK still running
       warpgroup_fence_operand(acc_dq);
-      pipe_q.consumer_release(read);
-      pipe_do.consumer_release(read);
-      ++read;
-      ds_stage ^= 1;
-      // dQ += dS K (unscaled): this warpgroup's fragments -> shared -> one bulk reduce-add.
+      // dQ += dS K (unscaled): fragments -> shared; the writer warp issues the bulk reduce-add.
       constexpr int kChunks = decltype(size(acc_dq))::value / 4;
       float4* sdq = reinterpret_cast<float4*>(ss.dq.data()) + wg * kChunks * 128;
+      cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQEmpty);
       CUTE_UNROLL
       for (int ch = 0; ch < kChunks; ++ch)
         sdq[ch * 128 + t_wg] = make_float4(acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
       cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(128, 2 + wg);
-      if (t_wg == 0) {
-        float* gdq = p.dq_accum + dq_tile_offset(p, w.b, h, i, BM * D) + wg * kChunks * 128 * 4;
-        bulk_reduce_add_f32(gdq, reinterpret_cast<const float*>(sdq), kChunks * 128 * 16);
-        tma_store_arrive();
-      }
-    } while (next_step(h, i, c));
-    if (t_wg == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+      cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQFull);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      pipe_q.consumer_release(read);
+      pipe_do.consumer_release(read);
+      ++read;
+      ds_stage ^= 1;
+      i = i_next;
+      c = c_next;
+    } while (more);
   }
 
   // Epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO (zeros when the block had no work).

@@ -37,17 +37,19 @@ __forceinline__ __device__ auto acc_as_A_sm90(L const& l) {
                      coalesce(make_layout(get<0, 1>(n), get<2>(l))));
 }
 
-// Issues one warpgroup GEMM on the tensor cores (every k-slice) and commits it as one batch;
-// the caller waits with warpgroup_wait<N>() and then fences the accumulator.
-template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+// Issues one warpgroup GEMM on the tensor cores (k-slices kK0 .. kK1 - 1; all by default) and
+// commits it as one batch; the caller waits with warpgroup_wait<N>() and then fences the
+// accumulator.
+template <bool kZeroInit, int kK0 = 0, int kK1 = -1, class TiledMma, class TA, class TB, class TC>
 __forceinline__ __device__ void wgmma_issue(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
   constexpr bool kRegA = !cute::is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  constexpr int kEnd = kK1 < 0 ? int(decltype(size<2>(tA))::value) : kK1;
   if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tA));
   warpgroup_fence_operand(tC);
   warpgroup_arrive();
   if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
   CUTE_UNROLL
-  for (int k = 0; k < size<2>(tA); ++k) {
+  for (int k = kK0; k < kEnd; ++k) {
     cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
@@ -65,10 +67,13 @@ __forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
 }
 
 // The kernel's shared storage, aligned to 1 KB (128-byte-swizzled TMA tiles need it); the
-// kernels request sizeof(SharedStorage) + 1024 bytes.
+// kernels request sizeof(SharedStorage) + 1024 bytes. The padding is added to smem_raw itself
+// (not rebuilt from an integer) so that the compiler still sees shared memory behind every
+// member and emits LDS/STS: a pointer rebuilt from uintptr_t gave generic loads and stores.
 template <class SharedStorage>
 __forceinline__ __device__ SharedStorage& aligned_shared_storage(char* smem_raw) {
-  return *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  return *reinterpret_cast<SharedStorage*>(smem_raw + ((1024u - (base & 1023u)) & 1023u));
 }
 
 // Parameters of a TMA pipeline whose producer is warpgroup 0 (thread 0 issues the loads) and
