@@ -80,12 +80,18 @@ __forceinline__ __device__ BwdBlock bwd_block(const BwdParams& p, int64_t block)
   return w;
 }
 
+// Class of query tile i (summary qs) against block w's key tile.
+template <int BM>
+__forceinline__ __device__ int bwd_q_class(const BwdParams& p, const BwdBlock& w, const TileSummary& qs, int i) {
+  return tile_class(qs, w.kvsum, p.mask, w.kv_ragged || static_cast<int64_t>(i + 1) * BM > p.Sq);
+}
+
 // First query tile at or after i that block w does not skip (w.range.y: none); its class in c.
 template <int BM>
 __forceinline__ __device__ int bwd_next_q(const BwdParams& p, const BwdBlock& w, int i, int& c) {
   const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
   for (; i < w.range.y; ++i) {
-    c = tile_class(q_sum[i], w.kvsum, p.mask, w.kv_ragged || static_cast<int64_t>(i + 1) * BM > p.Sq);
+    c = bwd_q_class<BM>(p, w, q_sum[i], i);
     if (c != kSkip) break;
   }
   return i;

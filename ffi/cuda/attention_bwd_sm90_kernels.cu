@@ -89,6 +89,7 @@ struct BwdSm90Traits {
     cute::array_aligned<float, kBM * kStages, 128> lse2;
     cute::array_aligned<float, kBM * kStages, 128> delta;
     RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
+    TileSummary next_sum[kConsumerThreads];  // each consumer thread's copy of the next query tile's
     typename Pipeline::SharedStorage pipe_q, pipe_do;
     alignas(8) uint64_t kv_full;
   };
@@ -276,13 +277,14 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     TxBarrier::wait(&ss.kv_full, 0);
     typename Pipeline::PipelineState read;
-    int i = i_first, c = cls_first, ds_stage = 0, n_partial = 0;
-    int h_next = w.h_begin;
-    bool more = true;
+    int h = w.h_begin, i = i_first, c = cls_first, ds_stage = 0, n_partial = 0;
+    const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
+    TileSummary* next_sum = &ss.next_sum[tidx];
     do {
-      // The next step's tile summary is loaded now and used at the end (off the critical path).
-      int i_next = i, c_next = c;
-      more = next_step(h_next, i_next, c_next);
+      // The summary of the next query tile is copied (cp.async) into this thread's slot now and
+      // classified at the end of the step: off the critical path, no registers held meanwhile
+      // (only a run of skipped tiles loads more there).
+      cp_async_16(next_sum, q_sum + (i + 1 < w.range.y ? i + 1 : i));
       const int st = read.index();
       const int64_t q0 = static_cast<int64_t>(i) * BM;
       const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
@@ -379,9 +381,17 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       pipe_do.consumer_release(read);
       ++read;
       ds_stage ^= 1;
-      i = i_next;
-      c = c_next;
-    } while (more);
+      cp_async_wait_all();
+      if (++i < w.range.y) {
+        c = bwd_q_class<BM>(p, w, *next_sum, i);
+        if (c == kSkip) i = bwd_next_q<BM>(p, w, i + 1, c);
+      }
+      if (i >= w.range.y) {
+        ++h;
+        i = i_first;
+        c = cls_first;
+      }
+    } while (h < w.h_end);
   }
 
   // Epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO (zeros when the block had no work).

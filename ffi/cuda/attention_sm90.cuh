@@ -66,6 +66,18 @@ __forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
       op(*reinterpret_cast<const cutlass::Array<float, n>*>(src.data()));
 }
 
+// Copies 16 bytes from global to shared memory asynchronously as four 4-byte cp.async (only
+// 4-byte alignment needed: workspace sub-buffers promise no more); cp_async_wait_all() waits
+// for this thread's copies.
+__forceinline__ __device__ void cp_async_16(void* smem, const void* gmem) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const char* g = static_cast<const char*>(gmem);
+  CUTE_UNROLL
+  for (int w = 0; w < 4; ++w)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d + 4 * w), "l"(g + 4 * w) : "memory");
+}
+__forceinline__ __device__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // The kernel's shared storage, aligned to 1 KB (128-byte-swizzled TMA tiles need it); the
 // kernels request sizeof(SharedStorage) + 1024 bytes. The padding is added to smem_raw itself
 // (not rebuilt from an integer) so that the compiler still sees shared memory behind every
