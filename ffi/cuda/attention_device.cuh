@@ -208,44 +208,31 @@ __forceinline__ __device__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 1);
 }
 
-// Online softmax over one tile of raw scores s (rows, cols), masked with -inf; scale_log2 > 0
-// turns a score into log2 units (callers with a scale <= 0 pre-multiply s and pass 1). Updates
-// the running row max (log2 units) and sum over the quad that shares a row, replaces s by
-// exp2(s * scale_log2 - max), one FFMA and one EX2 per score, and leaves in corr[] the factor
-// that rescales earlier partials. The max of raw scores scaled is the max of scaled scores
-// because the scale is positive.
+// Online softmax over one tile of scores s (rows, cols), already scaled to log2 units and
+// masked with -inf: updates the running row max and sum (over the quad that shares a row),
+// replaces s by exp2(s - max) and leaves in corr[] the factor that rescales earlier partials.
 template <class S, int kRows>
-__forceinline__ __device__ void online_softmax(S& s, float scale_log2, float (&row_max)[kRows],
-                                               float (&row_sum)[kRows], float (&corr)[kRows]) {
+__forceinline__ __device__ void online_softmax(S& s, float (&row_max)[kRows], float (&row_sum)[kRows],
+                                               float (&corr)[kRows]) {
   constexpr int kCols = decltype(size<1>(s))::value;
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
-    float tile_max = -INFINITY;
+    float mx = row_max[mi];
     CUTE_UNROLL
-    for (int ni = 0; ni < kCols; ++ni) tile_max = fmaxf(tile_max, s(mi, ni));
-    const float mx = fmaxf(row_max[mi], quad_max(tile_max) * scale_log2);
+    for (int ni = 0; ni < kCols; ++ni) mx = fmaxf(mx, s(mi, ni));
+    mx = quad_max(mx);
     const float m_use = mx == -INFINITY ? 0.f : mx;  // all masked so far: exp2(-inf - 0) = 0
     corr[mi] = exp2f(row_max[mi] - m_use);
     row_max[mi] = mx;
     float sum = 0.f;
     CUTE_UNROLL
     for (int ni = 0; ni < kCols; ++ni) {
-      const float e = exp2f(fmaf(s(mi, ni), scale_log2, -m_use));
+      const float e = exp2f(s(mi, ni) - m_use);
       s(mi, ni) = e;
       sum += e;
     }
     row_sum[mi] = row_sum[mi] * corr[mi] + sum;
   }
-}
-
-// The scale online_softmax applies: scale_log2 itself when positive; otherwise the scores are
-// multiplied here and 1 is returned.
-template <class Acc>
-__forceinline__ __device__ float softmax_scale(Acc& acc_s, float scale_log2) {
-  if (scale_log2 > 0.f) return scale_log2;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= scale_log2;
-  return 1.f;
 }
 
 // Per-element masks (RowMask, ColMask, make_row_mask, make_col_mask, allowed): ../common/mask.h,

@@ -171,7 +171,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
             smem_thr_copy_Q, smem_thr_copy_K);
 
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-    const float scale = softmax_scale(acc_s, p.scale_log2);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= p.scale_log2;
     if (cls == kPartial) {
       RowMask rm[kRows];
       CUTE_UNROLL
@@ -185,9 +186,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
       }
     }
 
-    // Online softmax (log2 domain); rescale O by each row's correction.
+    // Online softmax (log2 domain; scores already scaled); rescale O by each row's correction.
     float corr[kRows];
-    online_softmax(s, scale, row_max, row_sum, corr);
+    online_softmax(s, row_max, row_sum, corr);
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       CUTE_UNROLL

@@ -55,7 +55,6 @@ struct FwdSm90Traits {
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     ColMask cols[kStages][kBN];  // key masks of a partial tile, in the stage of its K/V
-    TileSummary next_sum[kConsumerThreads];  // each consumer thread's copy of the next key tile's
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     alignas(8) uint64_t q_full;
     alignas(8) uint64_t cols_full[kStages];  // 32 producer lanes arrive as their copies land
@@ -262,17 +261,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     const int end = ti.range.y;
     const TileSummary qsum = ti.qsum;
     const TileSummary* kv_sum = ti.kv_sum;
-    // The summary of tile j + 1 is copied (cp.async) into this thread's shared-memory slot at the
-    // start of step j and classified at its end: its load off the critical path, and no registers
-    // held across the softmax (a summary kept in registers was reloaded at its use instead).
-    TileSummary* next_sum = &ss.next_sum[tidx];
-    auto prefetch = [&](int jt) { cp_async_16(next_sum, kv_sum + (jt + 1 < end ? jt + 1 : jt)); };
-    auto advance = [&](int jt, int& ct) {
-      cp_async_wait_all();
+    // next tile after j with the summary of tile j + 1 loaded early (`pre`), off the critical path.
+    auto advance = [&](int jt, const TileSummary& pre, int& ct) {
       if (++jt >= end) return jt;
-      ct = tile_class(qsum, *next_sum, p.mask, static_cast<int64_t>(jt + 1) * BN > p.Skv);
+      ct = tile_class(qsum, pre, p.mask, static_cast<int64_t>(jt + 1) * BN > p.Skv);
       return ct != kSkip ? jt : fwd_next_tile<BN>(p, qsum, kv_sum, end, jt + 1, ct);
     };
+    auto prefetch = [&](int jt) { return kv_sum[jt + 1 < end ? jt + 1 : jt]; };
 
     RowMask rm[kRows];
     float row_max[kRows], row_sum[kRows], corr[kRows];
@@ -292,7 +287,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     // phase of the stage's use (the K state's, taken before it advanced). They stay until V of
     // this tile is released after the next P V, which the producer waits for before rewriting.
     auto softmax = [&](int ct, int stage, int phase) {
-      const float scale = softmax_scale(acc_s, p.scale_log2);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= p.scale_log2;
       if (ct == kPartial) {
         cutlass::arch::ClusterBarrier::wait(&ss.cols_full[stage], phase);
         const ColMask* cols = ss.cols[stage];
@@ -304,7 +300,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             if (!allowed(rm[mi], cm)) s_rc(mi, ni) = -INFINITY;
         }
       }
-      online_softmax(s_rc, scale, row_max, row_sum, corr);
+      online_softmax(s_rc, row_max, row_sum, corr);
     };
     auto rescale_o = [&]() {
       CUTE_UNROLL
@@ -325,12 +321,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     pipe_k.consumer_release(read_k);
     int stage = read_k.index(), phase = read_k.phase();
     ++read_k;
-    prefetch(j);
+    TileSummary pre = prefetch(j);
     softmax(c, stage, phase);
     convert_into(rP, acc_s);
-    j = advance(j, c);
-    for (; j < end; j = advance(j, c)) {
-      prefetch(j);
+    j = advance(j, pre, c);
+    for (; j < end; j = advance(j, pre, c)) {
+      pre = prefetch(j);
       pipe_k.consumer_wait(read_k);
       sched_wait();
       wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
