@@ -89,7 +89,7 @@ struct BwdSm90Traits {
     cute::array_aligned<float, kBM * kStages, 128> lse2;
     cute::array_aligned<float, kBM * kStages, 128> delta;
     RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
-    TileSummary next_sum[kConsumerThreads];  // each consumer thread's copy of the next query tile's
+    TileSummary next_sum[kConsumerThreads];  // each consumer thread's copy of a query tile summary
     typename Pipeline::SharedStorage pipe_q, pipe_do;
     alignas(8) uint64_t kv_full;
   };
@@ -324,8 +324,6 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             const float e = exp2f(fmaf(s_rc(mi, ni), p.scale_log2, -l));
             s_rc(mi, ni) = allowed(rm, cm[mi]) ? e : 0.f;
           }
-          // Hoisting every column's mask load to the top spilled registers: four at a time.
-          if (ni % 4 == 3) asm volatile("" ::: "memory");
         }
       } else {
         CUTE_UNROLL
