@@ -113,19 +113,6 @@ __forceinline__ __device__ int fwd_next_tile(const FwdParams& p, TileSummary qsu
   return j;
 }
 
-// Copies one int32 from global to shared memory asynchronously (zeros when !valid: nothing read).
-__forceinline__ __device__ void cp_async_i32(int32_t* dst, const int32_t* src, bool valid) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
-}
-
-// Arrives on the mbarrier once this thread's earlier cp.async copies have landed (counts as one
-// of the barrier's expected arrivals).
-__forceinline__ __device__ void cp_async_arrive(uint64_t* bar) {
-  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(b) : "memory");
-}
-
 template <class KT>
 __global__ void __launch_bounds__(KT::kThreads, 1)
     attention_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params<KT> P) {
@@ -205,7 +192,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         cp_async_arrive(&ss.cols_full[write.index()]);  // every tile, so the phases follow the stages
         ++write;
       }
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      cp_async_wait_all();
     }
     return;
   }

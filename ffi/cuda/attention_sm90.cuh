@@ -66,16 +66,28 @@ __forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
       op(*reinterpret_cast<const cutlass::Array<float, n>*>(src.data()));
 }
 
-// Copies 16 bytes from global to shared memory asynchronously as four 4-byte cp.async (only
-// 4-byte alignment needed: workspace sub-buffers promise no more); cp_async_wait_all() waits
-// for this thread's copies.
+// Copies one int32 from global to shared memory asynchronously (zeros when !valid: nothing read).
+__forceinline__ __device__ void cp_async_i32(int32_t* dst, const int32_t* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+// Copies 16 bytes (four int32) from global to shared memory asynchronously, 4 bytes at a time:
+// only 4-byte alignment needed, which is all the workspace sub-buffers promise.
 __forceinline__ __device__ void cp_async_16(void* smem, const void* gmem) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const char* g = static_cast<const char*>(gmem);
   CUTE_UNROLL
   for (int w = 0; w < 4; ++w)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d + 4 * w), "l"(g + 4 * w) : "memory");
+    cp_async_i32(static_cast<int32_t*>(smem) + w, static_cast<const int32_t*>(gmem) + w, true);
 }
+
+// Arrives on the mbarrier once this thread's earlier cp.async copies have landed (counts as one
+// of the barrier's expected arrivals).
+__forceinline__ __device__ void cp_async_arrive(uint64_t* bar) {
+  const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(b) : "memory");
+}
+
+// Waits until this thread's cp.async copies have landed.
 __forceinline__ __device__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // The kernel's shared storage, aligned to 1 KB (128-byte-swizzled TMA tiles need it); the
