@@ -34,14 +34,14 @@ def packed_segments(rng, b, s, max_doc=300, empty_tail=0):
   return jnp.asarray(seg)
 
 
-def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, empty_tail=0):
+def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, empty_tail=0, max_doc=300):
   skv = skv or s
   rng = np.random.default_rng(0)
   q, k, v = random_inputs(d, b, s, skv, hq, hkv, dtype)
   g = jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(d), 3), (b, s, hq, d), dtype)
   kw = dict(mask)
   if skv == s:
-    kw["segment_ids"] = packed_segments(rng, b, s, empty_tail=empty_tail)
+    kw["segment_ids"] = packed_segments(rng, b, s, max_doc=max_doc, empty_tail=empty_tail)
   g90 = grads("cuda", q, k, v, g, **kw)
   with env(JAXCP_DISABLE_SM90="1"):
     g80 = grads("cuda", q, k, v, g, **kw)
@@ -100,8 +100,12 @@ if __name__ == "__main__":
     check(128, dict(is_causal=True), hq=16, hkv=2, b=1, s=300)  # GQA split over blocks
     check(64, dict(is_causal=True), s=5)
     check(128, dict(is_causal=True), empty_tail=90)
+    # Long documents with a short window / chunk: runs of skipped tiles longer than a warp's 32.
+    check(128, dict(local_window_size=(200, 0)), s=6000, max_doc=5000)
+    check(64, dict(is_causal=True, chunk_size=512), s=6000, max_doc=5000)
   if "--no-timing" not in sys.argv:
     for case in (("2x8k doc1k", 2, 8192, 1024, 16, 16, 128), ("2x8k doc1k D64", 2, 8192, 1024, 16, 16, 64),
                  ("4x16k doc4k", 4, 16384, 4096, 16, 16, 128), ("4x16k doc4k 32/8", 4, 16384, 4096, 32, 8, 128),
+                 ("4x16k doc4k win1024", 4, 16384, 4096, 16, 16, 128, 1024),
                  ("1x128k doc8k", 1, 131072, 8192, 16, 16, 128)):
       timing(*case, variants=variants)

@@ -1,6 +1,6 @@
 """Quick check of the sm_90a forward kernel against the sm_80 one and the XLA reference, plus a
 forward timing of both on a few benchmark shapes (a development aid; tests/test_gpu_attention.py
-is the real test).   python tools/sm90_smoke.py [--no-timing]
+is the real test).   python tools/sm90_smoke.py [--no-timing | --timing-only]
 
 The checks force the sm_90a kernel (JAXCP_FORCE_SM90=1) so that it is tested on every mask and
 head dim, whatever the dispatch rule picks; the timings show the rule's pick, the forced sm_90a
@@ -52,13 +52,13 @@ def random_inputs(d, b, s, skv, hq, hkv, dtype):
   return q, k, v
 
 
-def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None):
+def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, max_doc=300):
   skv = skv or s
   rng = np.random.default_rng(0)
   q, k, v = random_inputs(d, b, s, skv, hq, hkv, dtype)
   kw = dict(mask)
   if skv == s:
-    lengths = [list(rng.integers(1, 300, 8)) for _ in range(b)]
+    lengths = [list(rng.integers(1, max_doc, 8)) for _ in range(b)]
     seg = np.zeros((b, s), np.int32)
     for r, ls in enumerate(lengths):
       pos = 0
@@ -111,13 +111,20 @@ def timing(name, b, s, mean_doc, hq, hkv, d, window=None, chunk=None):
 
 if __name__ == "__main__":
   print(jax.devices())
-  for d in (64, 128, 256):
+  checks = "--timing-only" not in sys.argv
+  for d in (64, 128, 256) if checks else ():
     for mask in (dict(is_causal=True), dict(), dict(local_window_size=(37, 11)), dict(is_causal=True, chunk_size=100)):
       check(d, mask)
-  check(128, dict(is_causal=True), dtype=jnp.float16)
-  check(128, dict(), skv=333)
-  check(128, dict(is_causal=True), hq=8, hkv=1)
-  check(64, dict(is_causal=True), s=5)
+  if checks:
+    check(128, dict(is_causal=True), dtype=jnp.float16)
+    check(128, dict(), skv=333)
+    check(128, dict(is_causal=True), hq=8, hkv=1)
+    check(64, dict(is_causal=True), s=5)
+    # More query tiles than multiprocessors: each persistent CTA runs several tiles, empty ones too.
+    for d in (64, 128, 256):
+      check(d, dict(is_causal=True), s=6000, hq=8, hkv=2, max_doc=1400)
+    check(128, dict(local_window_size=(300, 0)), s=6000, hq=8, hkv=2, max_doc=1400)
+    check(128, dict(is_causal=True, chunk_size=512), b=3, s=9000, hq=6, hkv=6, max_doc=3000)
   if "--no-timing" not in sys.argv:
     print(f"matmul {common.measure_matmul_tflops():.0f} TFLOP/s")
     timing("2x8k doc1k", 2, 8192, 1024, 16, 16, 128)

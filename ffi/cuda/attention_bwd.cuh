@@ -87,8 +87,18 @@ __forceinline__ __device__ int bwd_q_class(const BwdParams& p, const BwdBlock& w
 }
 
 // First query tile at or after i that block w does not skip (w.range.y: none); its class in c.
+// Called by whole warps (warp_first_unskipped).
 template <int BM>
 __forceinline__ __device__ int bwd_next_q(const BwdParams& p, const BwdBlock& w, int i, int& c) {
+  const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
+  return warp_first_unskipped(i, w.range.y, [&](int t) { return bwd_q_class<BM>(p, w, q_sum[t], t); }, c);
+}
+
+// The same, one tile at a time, for a thread on its own: the sm_90a backward (its producer is
+// one thread, and the warp-wide search anywhere in that kernel raised the consumers' spills from
+// 84 to 236 bytes).
+template <int BM>
+__forceinline__ __device__ int bwd_next_q_serial(const BwdParams& p, const BwdBlock& w, int i, int& c) {
   const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
   for (; i < w.range.y; ++i) {
     c = bwd_q_class<BM>(p, w, q_sum[i], i);

@@ -62,11 +62,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_bwd_dq_kernel(const
   auto kv_class = [&](int j) {
     return tile_class(qsum, kv_sum[j], p.mask, q_ragged || static_cast<int64_t>(j + 1) * BN > p.Skv);
   };
-  auto next_tile = [&](int j, int& c) {
-    for (; j < range.y; ++j)
-      if ((c = kv_class(j)) != kSkip) break;
-    return j;
-  };
+  auto next_tile = [&](int j, int& c) { return warp_first_unskipped(j, range.y, kv_class, c); };
   Element* dq_ptr = static_cast<Element*>(p.dq) + (b * p.Sq + r0) * p.q_row + static_cast<int64_t>(h) * D;
 
   int cls = kSkip;

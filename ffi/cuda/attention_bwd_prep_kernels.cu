@@ -107,13 +107,6 @@ int grid_for(int64_t n, int64_t per_block) {
   return static_cast<int>(blocks < 65536 * 16 ? blocks : 65536 * 16);
 }
 
-int multiprocessor_count() {
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess)
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return sms > 0 ? sms : 132;
-}
-
 }  // namespace
 
 struct BwdPlan {

@@ -140,11 +140,11 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
 
   const BwdBlock w = bwd_block<BN>(p, blockIdx.x);
   int cls_first = kSkip;
-  const int i_first = bwd_next_q<BM>(p, w, w.range.x, cls_first);  // the same for every head
+  const int i_first = bwd_next_q_serial<BM>(p, w, w.range.x, cls_first);  // the same for every head
   const bool any_work = w.h_begin < w.h_end && i_first < w.range.y;
   // Steps run over (head, query tile): the query tiles of each head of the block's group.
   auto next_step = [&](int& h, int& i, int& c) {
-    i = bwd_next_q<BM>(p, w, i + 1, c);
+    i = bwd_next_q_serial<BM>(p, w, i + 1, c);
     if (i >= w.range.y) {
       ++h;
       i = i_first;
@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       cp_async_wait_all();
       if (++i < w.range.y) {
         c = bwd_q_class<BM>(p, w, *next_sum, i);
-        if (c == kSkip) i = bwd_next_q<BM>(p, w, i + 1, c);
+        if (c == kSkip) i = bwd_next_q_serial<BM>(p, w, i + 1, c);
       }
       if (i >= w.range.y) {
         ++h;

@@ -66,6 +66,9 @@ cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int* order,
 bool sm90_kernels_available();
 bool sm90_disabled_by_env();
 
+// Multiprocessors of the current device (132 when the query fails).
+int multiprocessor_count();
+
 // Enables > 48 KB of dynamic shared memory for `kernel` on the current device (once per device).
 cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_mask);
 
@@ -249,6 +252,27 @@ __forceinline__ __device__ int tile_class(const TileSummary& q, const TileSummar
 constexpr int kSkip = static_cast<int>(TileClass::kSkip);
 constexpr int kPartial = static_cast<int>(TileClass::kPartial);
 constexpr int kFull = static_cast<int>(TileClass::kFull);
+
+// First tile index in [i, end) whose class_of(index) is not kSkip (end: none), its class in c.
+// The 32 lanes of the warp classify 32 tiles per round, so a run of skipped tiles (a window's or
+// a chunk's far side of the document; a plan range spans from a document's first tile) costs one
+// summary load latency per 32 tiles instead of one per tile. Every lane of the warp must call it
+// with the same arguments; it returns the same values to all.
+template <class ClassOf>
+__forceinline__ __device__ int warp_first_unskipped(int i, int end, ClassOf class_of, int& c) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (; i < end; i += 32) {
+    const int mine = i + lane;
+    const int cls = mine < end ? class_of(mine) : kSkip;
+    const unsigned hit = __ballot_sync(0xffffffffu, cls != kSkip);
+    if (hit != 0u) {
+      const int src = __ffs(hit) - 1;
+      c = __shfl_sync(0xffffffffu, cls, src);
+      return i + src;
+    }
+  }
+  return end;
+}
 
 }  // namespace detail
 }  // namespace jaxcp::cuda

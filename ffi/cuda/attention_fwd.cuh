@@ -25,7 +25,8 @@ struct FwdParams {
   const TileSummary* q_sum;   // [B, nq]: query tiles of kFwdBlockM
   const TileSummary* kv_sum;  // [B, nkv]: key tiles of the kernel's block N
   const TileRange* q_range;   // [B, nq]
-  const int* order;           // [B * nq]: (b * nq + m) tiles, heaviest first
+  const int* order;           // [B * nq]: (b * nq + m) tiles, heaviest first (sm_80 kernel)
+  int* tile_counter;          // the sm_90a kernel's next-tile counter (zeroed at its launch)
   int nq, nkv;
 };
 

@@ -52,12 +52,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
   auto kv_class = [&](int j) {
     return tile_class(qsum, kv_sum[j], p.mask, static_cast<int64_t>(j + 1) * BN > p.Skv);
   };
-  // First non-skipped tile at or after j, its class in c.
-  auto next_tile = [&](int j, int& c) {
-    for (; j < range.y; ++j)
-      if ((c = kv_class(j)) != kSkip) break;
-    return j;
-  };
+  // First non-skipped tile at or after j, its class in c (every thread calls it).
+  auto next_tile = [&](int j, int& c) { return warp_first_unskipped(j, range.y, kv_class, c); };
 
   int cls = kSkip;
   int j = next_tile(range.x, cls);
@@ -284,7 +280,7 @@ cudaError_t dispatch_fwd(const FwdParams& p, int64_t batch, int64_t d, cudaStrea
 }
 
 struct FwdWorkspace {
-  size_t q_sum, kv_sum, q_range, order, bytes;
+  size_t q_sum, kv_sum, q_range, order, tile_counter, bytes;
 };
 
 FwdWorkspace fwd_workspace(const AttentionShape& s) {
@@ -295,6 +291,7 @@ FwdWorkspace fwd_workspace(const AttentionShape& s) {
   r.kv_sum = w.take(sizeof(TileSummary) * s.batch * nkv);
   r.q_range = w.take(sizeof(TileRange) * s.batch * nq);
   r.order = w.take(sizeof(int) * s.batch * nq);
+  r.tile_counter = w.take(sizeof(int));
   r.bytes = w.bytes;
   return r;
 }
@@ -331,6 +328,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   auto* kv_sum = reinterpret_cast<TileSummary*>(base + ws.kv_sum);
   auto* q_range = reinterpret_cast<TileRange*>(base + ws.q_range);
   auto* order = reinterpret_cast<int*>(base + ws.order);
+  auto* tile_counter = reinterpret_cast<int*>(base + ws.tile_counter);
 
   cudaError_t err;
   if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kFwdBlockM, q_sum, stream))) return err;
@@ -351,6 +349,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.scale_log2 = a.scale * kLog2e;
   p.mask = a.mask;
   p.q_sum = q_sum; p.kv_sum = kv_sum; p.q_range = q_range; p.order = order;
+  p.tile_counter = tile_counter;
   p.nq = static_cast<int>(nq);
   p.nkv = static_cast<int>(nkv);
   if (sm90) return launch_fwd_sm90(p, s.batch, dtype, s.head_dim, stream);

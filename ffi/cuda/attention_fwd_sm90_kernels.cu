@@ -1,10 +1,16 @@
 // Forward packed-document attention for Hopper (sm_90a), FlashAttention-3 style:
-// one producer warpgroup streams K/V tiles with TMA into a shared-memory ring guarded by
-// mbarriers (cutlass::PipelineTmaAsync); two consumer warpgroups own 64 query rows each and run
+// one producer warp streams K/V tiles with TMA into a shared-memory ring guarded by mbarriers
+// (cutlass::PipelineTmaAsync); two consumer warpgroups own 64 query rows each and run
 // S = Q K^T and O += P V on wgmma, with the online softmax in registers (P never leaves them).
 // The tile plan (skip / full / partial per (query tile, key tile)) is the same as the sm_80
-// kernel's, so work follows the allowed area. Built only for sm_90a; elsewhere the body is empty
-// and the host never launches it (fwd_sm90_available).
+// kernel's, so work follows the allowed area.
+//
+// Persistent: one CTA per multiprocessor takes query tiles from a global counter until none are
+// left. The producer runs a tile ahead: it classifies the next tile's first key tile, copies its
+// query rows' (segment, position) and its Q into shared memory and starts its K/V while the
+// consumers finish the current tile (last P V, epilogue), so a short tile (short documents,
+// windows, chunks) no longer pays a CTA start, its plan lookups and its first loads. Built only
+// for sm_90a; elsewhere the body is empty and the host never launches it (fwd_use_sm90).
 #include <climits>
 #include <cstdlib>
 
@@ -50,15 +56,32 @@ struct FwdSm90Traits {
   static constexpr uint32_t kTileBytes = kBN * kD * sizeof(Element);
   static constexpr uint32_t kQBytes = kBM * kD * sizeof(Element);
 
+  // O is staged on its way to global memory in a buffer of its own where shared memory allows
+  // (D <= 128), so the next tile's Q can land during this tile's epilogue; with D 256 it goes
+  // through sQ and the next Q waits for the epilogue.
+  static constexpr bool kSeparateO = kHeadDim <= 128;
+
+  // What the producer tells the consumers about their next tile (t < 0: no tiles left).
+  struct TileInfo {
+    int t, j, c, end;  // tile index, its first key tile and that tile's class, key tile range end
+    TileSummary qsum;
+  };
+
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    cute::array_aligned<Element, kSeparateO ? cosize_v<SmemLayoutQ> : 8, 128> o;
     ColMask cols[kStages][kBN];  // key masks of a partial tile, in the stage of its K/V
+    ColMask rows[kBM];           // (segment, position) of the tile's query rows
+    TileInfo info;
     typename Pipeline::SharedStorage pipe_k, pipe_v;
-    alignas(8) uint64_t q_full;
+    alignas(8) uint64_t q_full;     // Q landed (TMA transaction bytes)
+    alignas(8) uint64_t info_full;  // info and rows written: 32 cp.async lanes + lane 0's store
+    alignas(8) uint64_t q_empty;    // every consumer thread is done with sQ, info and rows
     alignas(8) uint64_t cols_full[kStages];  // 32 producer lanes arrive as their copies land
   };
+  static constexpr int kInfoArrivals = 33;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
@@ -66,21 +89,18 @@ struct FwdSm90Traits {
 template <class KT>
 struct FwdSm90Params {
   FwdParams p;
-  int batch, kv_heads;
+  int batch, kv_heads, n_tiles;
   typename KT::TmaQ tma_q;
   typename KT::TmaKV tma_k, tma_v;
 };
 
-// The query tile of one CTA. CTAs are numbered (kv head, row, query tile, q head in group),
-// query tiles last to first: CTAs that run together read the same K/V from L2 (a work-sorted
-// order streamed K/V from DRAM), the heads of a GQA group are neighbours, and the heavy tiles of
-// causal rows start early. (A persistent one-CTA-per-SM loop spilled registers and ran slower.)
+// Query tile t. Tiles are numbered (kv head, row, query tile, q head in group), query tiles last
+// to first: tiles taken together read the same K/V from L2 (a work-sorted order streamed K/V
+// from DRAM), the heads of a GQA group are neighbours, and the heavy tiles of causal rows start
+// early. Index arithmetic only; the producer loads the tile's plan entries.
 struct FwdTile {
   int b, h, hk, m_block, q_rows;
   int64_t q0;
-  TileRange range;
-  TileSummary qsum;
-  const TileSummary* kv_sum;
 };
 
 template <int BM>
@@ -95,22 +115,16 @@ __forceinline__ __device__ FwdTile fwd_tile(const FwdParams& p, int batch, int t
   ti.h = ti.hk * p.group + h_in_group;
   ti.q0 = static_cast<int64_t>(ti.m_block) * BM;
   ti.q_rows = static_cast<int>(p.Sq - ti.q0 < BM ? p.Sq - ti.q0 : BM);
-  const int64_t qt = static_cast<int64_t>(ti.b) * p.nq + ti.m_block;
-  ti.range = p.q_range[qt];
-  ti.qsum = p.q_sum[qt];
-  ti.kv_sum = p.kv_sum + static_cast<int64_t>(ti.b) * p.nkv;
   return ti;
 }
 
-// First key tile at or after j that the plan does not skip (range.y: none); its class in c.
+// First key tile at or after j that the plan does not skip (end: none); its class in c. Called
+// by whole warps (warp_first_unskipped).
 template <int BN>
 __forceinline__ __device__ int fwd_next_tile(const FwdParams& p, TileSummary qsum, const TileSummary* kv_sum,
                                              int end, int j, int& c) {
-  for (; j < end; ++j) {
-    c = tile_class(qsum, kv_sum[j], p.mask, static_cast<int64_t>(j + 1) * BN > p.Skv);
-    if (c != kSkip) break;
-  }
-  return j;
+  return warp_first_unskipped(
+      j, end, [&](int t) { return tile_class(qsum, kv_sum[t], p.mask, static_cast<int64_t>(t + 1) * BN > p.Skv); }, c);
 }
 
 template <class KT>
@@ -132,6 +146,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
     TxBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.info_full, KT::kInfoArrivals);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, KT::kConsumerThreads);
     for (int st = 0; st < KT::kNStages; ++st) cutlass::arch::ClusterBarrier::init(&ss.cols_full[st], 32);
   }
   cutlass::arch::fence_barrier_init();
@@ -142,10 +158,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
 
   if (warp_group == 0) {
-    // ---------------- producer: lane 0 issues every TMA load ----------------
-    // The 32 lanes of warp 0 copy the key masks of each partial tile into the K/V stage it uses
-    // (cp.async, landing on cols_full), so the consumers read them from shared memory with no
-    // global load of their own and no barrier beyond that one.
+    // ---------------- producer: warp 0; lane 0 issues every TMA load ----------------
+    // Per tile: wait until the consumers are done with the previous tile's Q, info and rows,
+    // publish the tile (info, rows: info_full), load Q (q_full), then stream its K/V tiles.
+    // The 32 lanes copy the key masks of each partial tile into the K/V stage it uses (cp.async,
+    // landing on cols_full), so the consumers read them from shared memory with no global load
+    // of their own and no barrier beyond that one.
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
@@ -154,46 +172,79 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
     Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
     auto write = cutlass::make_producer_start_state<Pipeline>();
-    {
-      const FwdTile ti = fwd_tile<BM>(p, P.batch, blockIdx.x);
-      int c = kSkip;
-      int j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, ti.range.x, c);
-      if (j >= ti.range.y) return;  // the consumers write this tile's zeros
-      const int32_t* kv_seg = p.kv_seg + static_cast<int64_t>(ti.b) * p.Skv;
-      const int32_t* kv_pos = p.kv_pos + static_cast<int64_t>(ti.b) * p.Skv;
-      Tensor gQ = local_tile(mQ(_, _, ti.h, ti.b), Shape<Int<BM>, Int<D>>{}, make_coord(ti.m_block, _0{}));
-      auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      Tensor gK = local_tile(mK(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
-      auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      Tensor gV = local_tile(mV(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
-      auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    int t = blockIdx.x;
+    for (int n = 0;; ++n) {
+      const bool live = t < P.n_tiles;
+      int t_next = 0;  // taken now, used after this tile: the atomic's latency stays hidden
+      if (live && lane == 0) t_next = atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
+      FwdTile ti{};
+      TileRange range = make_int2(0, 0);
+      TileSummary qsum{};
+      int c = kSkip, j = 0;
+      const TileSummary* kv_sum = p.kv_sum;
+      if (live) {
+        ti = fwd_tile<BM>(p, P.batch, t);
+        const int64_t qt = static_cast<int64_t>(ti.b) * p.nq + ti.m_block;
+        range = p.q_range[qt];
+        qsum = p.q_sum[qt];
+        kv_sum += static_cast<int64_t>(ti.b) * p.nkv;
+        j = fwd_next_tile<BN>(p, qsum, kv_sum, range.y, range.x, c);
+      }
+      if (n > 0) mbar_wait(&ss.q_empty, (n - 1) & 1);
+      const bool work = live && j < range.y;
+      if (work) {
+        const int64_t row0 = static_cast<int64_t>(ti.b) * p.Sq + ti.q0;
+        CUTE_UNROLL
+        for (int r = lane; r < BM; r += 32) {
+          const bool valid = r < ti.q_rows;
+          cp_async_i32(&ss.rows[r].seg, p.q_seg + row0 + (valid ? r : 0), valid);
+          cp_async_i32(&ss.rows[r].pos, p.q_pos + row0 + (valid ? r : 0), valid);
+        }
+      }
+      cp_async_arrive(&ss.info_full);
       if (lane == 0) {
-        TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
-        copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
+        ss.info = typename KT::TileInfo{live ? t : -1, j, c, range.y, qsum};
+        mbar_arrive(&ss.info_full);
       }
-      for (; j < ti.range.y; j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, j + 1, c)) {
+      if (!live) break;
+      if (work) {
+        const int32_t* kv_seg = p.kv_seg + static_cast<int64_t>(ti.b) * p.Skv;
+        const int32_t* kv_pos = p.kv_pos + static_cast<int64_t>(ti.b) * p.Skv;
+        Tensor gQ = local_tile(mQ(_, _, ti.h, ti.b), Shape<Int<BM>, Int<D>>{}, make_coord(ti.m_block, _0{}));
+        auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        Tensor gK = local_tile(mK(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+        auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        Tensor gV = local_tile(mV(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+        auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
         if (lane == 0) {
-          pipe_k.producer_acquire(write);
-          copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
-          pipe_v.producer_acquire(write);
-          copy(P.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, j), tVs(_, write.index()));
+          TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
+          copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
         }
-        __syncwarp();  // the stage is free (V of its previous tile consumed): its masks may be written
-        if (c == kPartial) {
-          ColMask* cols = ss.cols[write.index()];
-          CUTE_UNROLL
-          for (int n = lane; n < BN; n += 32) {
-            const int64_t tok = static_cast<int64_t>(j) * BN + n;
-            const bool valid = tok < p.Skv;  // past the end: seg 0, which no live row matches
-            cp_async_i32(&cols[n].seg, kv_seg + (valid ? tok : 0), valid);
-            cp_async_i32(&cols[n].pos, kv_pos + (valid ? tok : 0), valid);
+        for (; j < range.y; j = fwd_next_tile<BN>(p, qsum, kv_sum, range.y, j + 1, c)) {
+          if (lane == 0) {
+            pipe_k.producer_acquire(write);
+            copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
+            pipe_v.producer_acquire(write);
+            copy(P.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, j), tVs(_, write.index()));
           }
+          __syncwarp();  // the stage is free (V of its previous tile consumed): its masks may be written
+          if (c == kPartial) {
+            ColMask* cols = ss.cols[write.index()];
+            CUTE_UNROLL
+            for (int col = lane; col < BN; col += 32) {
+              const int64_t tok = static_cast<int64_t>(j) * BN + col;
+              const bool valid = tok < p.Skv;  // past the end: seg 0, which no live row matches
+              cp_async_i32(&cols[col].seg, kv_seg + (valid ? tok : 0), valid);
+              cp_async_i32(&cols[col].pos, kv_pos + (valid ? tok : 0), valid);
+            }
+          }
+          cp_async_arrive(&ss.cols_full[write.index()]);  // every tile, so the phases follow the stages
+          ++write;
         }
-        cp_async_arrive(&ss.cols_full[write.index()]);  // every tile, so the phases follow the stages
-        ++write;
       }
-      cp_async_wait_all();
+      t = __shfl_sync(0xffffffffu, t_next, 0);
     }
+    cp_async_wait_all();
     return;
   }
 
@@ -202,27 +253,11 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   // of S_j runs while the P V product is still on the tensor cores. The two warpgroups take turns
   // issuing (named barriers), so one's softmax overlaps the other's GEMMs.
   cutlass::arch::warpgroup_reg_alloc<232>();
-  const int tidx = threadIdx.x - 128, wg = tidx / 128, t_wg = tidx % 128;
+  const int wg = (threadIdx.x - 128) / 128;
   typename KT::TiledMmaS mma_s;
   typename KT::TiledMmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(tidx);
-  auto thr_o = mma_o.get_thread_slice(tidx);
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutVt{});
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
-  Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
-  Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
-  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<BM>, Int<D>>{});
-  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_sm90(acc_o.layout()));
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<BM>, Int<BN>>{});
-  Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol_sm90(acc_s.layout()));
-  Tensor rP = make_fragment_like<Element>(acc_s);
-  Tensor tOrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
-
-  Tensor cS = make_identity_tensor(Shape<Int<BM>, Int<BN>>{});
-  Tensor tScS = thr_s.partition_C(cS);
-  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_sm90(tScS.layout()));
-  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
-  constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+  Tensor sO = make_tensor(make_smem_ptr(KT::kSeparateO ? ss.o.data() : ss.q.data()), typename KT::SmemLayoutQ{});
 
   // Turn-taking between the two consumer warpgroups (named barriers 1 and 2; 3, 4: epilogue).
   auto sched_wait = [&]() { cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1 + wg); };
@@ -230,24 +265,47 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   if (wg == 1) sched_pass();  // warpgroup 0 goes first
 
   typename Pipeline::PipelineState read_k, read_v;
-  {
-    const FwdTile ti = fwd_tile<BM>(p, P.batch, blockIdx.x);
+  int q_loads = 0;  // Q tiles loaded so far: the phase of q_full
+  for (int n = 0;; ++n) {
+    mbar_wait(&ss.info_full, n & 1);
+    const int t = ss.info.t;
+    if (t < 0) break;
+    int j = ss.info.j, c = ss.info.c;
+    const int end = ss.info.end;
+    const TileSummary qsum = ss.info.qsum;
+    const FwdTile ti = fwd_tile<BM>(p, P.batch, t);
+    // Per-thread fragments and coordinates, rebuilt for every tile (see opaque_thread_index).
+    const int tidx = opaque_thread_index() - 128, t_wg = tidx % 128;
+    auto thr_s = mma_s.get_thread_slice(tidx);
+    auto thr_o = mma_o.get_thread_slice(tidx);
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+    Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<BM>, Int<D>>{});
+    Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_sm90(acc_o.layout()));
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<BM>, Int<BN>>{});
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol_sm90(acc_s.layout()));
+    Tensor rP = make_fragment_like<Element>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
+    Tensor cS = make_identity_tensor(Shape<Int<BM>, Int<BN>>{});
+    Tensor tScS = thr_s.partition_C(cS);
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_sm90(tScS.layout()));
+    constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+    constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+
+    const TileSummary* kv_sum = p.kv_sum + static_cast<int64_t>(ti.b) * p.nkv;
     Element* out_ptr = static_cast<Element*>(p.out) +
                        (static_cast<int64_t>(ti.b) * p.Sq + ti.q0) * p.q_row + static_cast<int64_t>(ti.h) * D;
     float* lse_ptr = p.lse + (static_cast<int64_t>(ti.b) * p.Hq + ti.h) * p.Sq + ti.q0;
-    int c = kSkip;
-    int j = fwd_next_tile<BN>(p, ti.qsum, ti.kv_sum, ti.range.y, ti.range.x, c);
-    if (j >= ti.range.y) {  // no allowed key for any row of this tile: out 0, lse -inf
+    if (j >= end) {  // no allowed key for any row of this tile: out 0, lse -inf
+      mbar_arrive(&ss.q_empty);
       for (int idx = tidx; idx < ti.q_rows * (D / 8); idx += KT::kConsumerThreads) {
         const int r = idx / (D / 8), col = (idx % (D / 8)) * 8;
         *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = make_uint4(0, 0, 0, 0);
       }
       for (int r = tidx; r < ti.q_rows; r += KT::kConsumerThreads) lse_ptr[r] = -INFINITY;
-      return;
+      continue;
     }
-    const int end = ti.range.y;
-    const TileSummary qsum = ti.qsum;
-    const TileSummary* kv_sum = ti.kv_sum;
     // next tile after j with the summary of tile j + 1 loaded early (`pre`), off the critical path.
     auto advance = [&](int jt, const TileSummary& pre, int& ct) {
       if (++jt >= end) return jt;
@@ -261,9 +319,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       const int r = get<0>(tScS_rc(mi, 0));
-      const bool valid = r < ti.q_rows;
-      const int64_t idx = static_cast<int64_t>(ti.b) * p.Sq + ti.q0 + (valid ? r : 0);
-      rm[mi] = make_row_mask(valid, p.q_seg[idx], p.q_pos[idx], p.mask);
+      const ColMask id = ss.rows[r];
+      rm[mi] = make_row_mask(r < ti.q_rows, id.seg, id.pos, p.mask);
       row_max[mi] = -INFINITY;
       row_sum[mi] = 0.f;
     }
@@ -277,7 +334,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= p.scale_log2;
       if (ct == kPartial) {
-        cutlass::arch::ClusterBarrier::wait(&ss.cols_full[stage], phase);
+        mbar_wait(&ss.cols_full[stage], phase);
         const ColMask* cols = ss.cols[stage];
         CUTE_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
@@ -297,7 +354,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       }
     };
 
-    TxBarrier::wait(&ss.q_full, 0);
+    TxBarrier::wait(&ss.q_full, q_loads & 1);
+    ++q_loads;
     // First key tile: S only.
     pipe_k.consumer_wait(read_k);
     sched_wait();
@@ -335,6 +393,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       ++read_v;
       convert_into(rP, acc_s);
     }
+    // Every S GEMM has completed: with O staged elsewhere, sQ may take the next tile's Q.
+    if constexpr (KT::kSeparateO) mbar_arrive(&ss.q_empty);
     // Last P V.
     rescale_o();
     pipe_v.consumer_wait(read_v);
@@ -343,7 +403,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     warpgroup_fence_operand(acc_o);
     pipe_v.consumer_release(read_v);
     ++read_v;
-    // Epilogue: normalise, LSE (natural log), O through this warpgroup's rows of sQ.
+    // Epilogue: normalise, LSE (natural log), O through this warpgroup's rows of sO.
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       const float sum = quad_sum(row_sum[mi]);
@@ -356,15 +416,18 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       for (int di = 0; di < size<1>(acc_o_rc); ++di) acc_o_rc(mi, di) *= inv;
     }
     Tensor rO = convert_type<Element>(acc_o);
-    auto smem_copy_o = make_tiled_copy_C(Copy_Atom<DefaultCopy, Element>{}, mma_o);
+    auto smem_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_o);
     auto thr_copy_o = smem_copy_o.get_thread_slice(tidx);
-    cute::copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sQ));
-    cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sQ
+    // The previous tile's O has left this warpgroup's rows of sO (each thread read other rows).
+    if constexpr (KT::kSeparateO) cutlass::arch::NamedBarrier::sync(128, 3 + wg);
+    cute::copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
+    cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sO
     for (int idx = t_wg; idx < 64 * (D / 8); idx += 128) {
       const int r = wg * 64 + idx / (D / 8), col = (idx % (D / 8)) * 8;
       if (r < ti.q_rows)
-        *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = *reinterpret_cast<const uint4*>(&sQ(r, col));
+        *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = lds_128(&sO(r, col));
     }
+    if constexpr (!KT::kSeparateO) mbar_arrive(&ss.q_empty);
   }
 #endif
 }
@@ -391,7 +454,11 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
   if (err != cudaSuccess) return err;
   const int64_t tiles = batch * p.nq * p.Hq;
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
-  kernel<<<static_cast<unsigned>(tiles), KT::kThreads, KT::kSmemBytes, stream>>>(P);
+  P.n_tiles = static_cast<int>(tiles);
+  err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
+  if (err != cudaSuccess) return err;
+  const int64_t ctas = tiles < multiprocessor_count() ? tiles : multiprocessor_count();
+  kernel<<<static_cast<unsigned>(ctas), KT::kThreads, KT::kSmemBytes, stream>>>(P);
   return cudaGetLastError();
 }
 

@@ -148,6 +148,13 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
   return cudaGetLastError();
 }
 
+int multiprocessor_count() {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess)
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms > 0 ? sms : 132;
+}
+
 cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_mask) {
   if (bytes <= 48 * 1024) return cudaSuccess;
   int dev = 0;

@@ -5,7 +5,9 @@
 #include "attention_device.cuh"
 
 #include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
@@ -85,6 +87,40 @@ __forceinline__ __device__ void cp_async_16(void* smem, const void* gmem) {
 __forceinline__ __device__ void cp_async_arrive(uint64_t* bar) {
   const uint32_t b = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
   asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(b) : "memory");
+}
+
+// mbarrier wait and arrive that also order this thread's plain shared-memory accesses around
+// them: cutlass's ClusterBarrier asm has no "memory" clobber, so the compiler could move a load
+// of data the barrier guards above the wait, or a store below the arrive.
+__forceinline__ __device__ void mbar_wait(uint64_t* bar, int phase) {
+  cutlass::arch::ClusterBarrier::wait(bar, phase);
+  asm volatile("" ::: "memory");
+}
+__forceinline__ __device__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("" ::: "memory");
+  cutlass::arch::ClusterBarrier::arrive(bar);
+}
+
+// 16 bytes from shared memory by an explicit shared-space load (a pointer into a CuTe smem
+// tensor may otherwise compile to a generic load).
+__forceinline__ __device__ uint4 lds_128(const void* smem) {
+  uint4 v;
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+
+// threadIdx.x read through an asm the compiler cannot see into. In a persistent kernel's loop
+// over tiles, values derived from it (fragment coordinates, shared-memory addresses) are then
+// recomputed for each tile instead of being hoisted out of the loop and kept live, or spilled,
+// across all of it.
+__forceinline__ __device__ int opaque_thread_index() {
+  int x;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(x));
+  return x;
 }
 
 // Waits until this thread's cp.async copies have landed.
