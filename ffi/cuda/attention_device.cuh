@@ -52,11 +52,21 @@ using TileRange = int2;
 // Summaries of tiles of `tile` tokens over [B, S] segment ids / positions: out [B, ceil(S/tile)].
 cudaError_t launch_tile_summaries(const int32_t* seg, const int32_t* pos, int64_t batch,
                                   int64_t len, int tile, TileSummary* out, cudaStream_t stream);
+// The tokens behind one side's tile summaries: [B, len] segment ids / positions, tiles of `tile`.
+struct TileTokens {
+  const int32_t* seg;
+  const int32_t* pos;
+  int64_t len;
+  int tile;
+};
+constexpr int kMaxTileTokens = 128;  // the largest key tile launch_tile_ranges accepts
 // For every "row" tile (out [B, n_rows]) the range of "col" tiles that classify_tiles does not
-// skip. rows_are_q says which side of classify_tiles the row tiles are.
-cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileSummary* cols,
-                               int64_t n_cols, int64_t batch, const MaskParams& mask,
-                               bool rows_are_q, TileRange* out, cudaStream_t stream);
+// skip; with a window or chunks, minus tiles at its ends that have no allowed pair (checked on
+// the tokens). rows_are_q says which side of classify_tiles the row tiles are.
+cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileTokens& row_tokens,
+                               const TileSummary* cols, int64_t n_cols, const TileTokens& col_tokens,
+                               int64_t batch, const MaskParams& mask, bool rows_are_q, TileRange* out,
+                               cudaStream_t stream);
 
 // order[0..n) = indices of ranges[0..n) by decreasing range length (heaviest blocks first).
 cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int* order, cudaStream_t stream);

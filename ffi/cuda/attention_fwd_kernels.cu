@@ -333,7 +333,9 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   cudaError_t err;
   if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kFwdBlockM, q_sum, stream))) return err;
   if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, block_n, kv_sum, stream))) return err;
-  if ((err = launch_tile_ranges(q_sum, nq, kv_sum, nkv, s.batch, a.mask, /*rows_are_q=*/true, q_range, stream)))
+  const TileTokens q_tok{q_seg, q_pos, s.q_len, kFwdBlockM}, kv_tok{kv_seg, kv_pos, s.kv_len, block_n};
+  if ((err = launch_tile_ranges(q_sum, nq, q_tok, kv_sum, nkv, kv_tok, s.batch, a.mask, /*rows_are_q=*/true,
+                                q_range, stream)))
     return err;
   if (!sm90 && (err = launch_tile_schedule(q_range, s.batch * nq, order, stream))) return err;
 

@@ -46,21 +46,56 @@ __global__ void __launch_bounds__(kSummaryThreads) tile_summary_kernel(
 }
 
 constexpr int kRangeWarps = 4;
+constexpr int kMaxTrimmed = 4;  // tiles with no allowed pair dropped from each end of a range, at most
 
-// One warp per row tile scans all column tiles.
+// Whether any (query, key) pair of query tile qt and key tile kt (batch row b) is allowed,
+// decided by the whole warp over every pair: each lane takes up to 4 keys and runs through the
+// query rows. Summaries can keep a tile with none, e.g. the tile at a document's start (which
+// also holds the end of the previous document) seen from a query tile a window further on.
+__device__ bool tiles_interact(const TileTokens& q, int64_t qt, const TileTokens& kv, int64_t kt,
+                               int64_t b, const MaskParams& m) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t q0 = qt * q.tile, k0 = kt * kv.tile;
+  const int nq = static_cast<int>(min(static_cast<int64_t>(q.tile), q.len - q0));
+  const int nk = static_cast<int>(min(static_cast<int64_t>(kv.tile), kv.len - k0));
+  ColMask cm[kMaxTileTokens / 32];
+  CUTE_UNROLL
+  for (int i = 0; i < kMaxTileTokens / 32; ++i) {
+    const int k = lane + 32 * i;
+    const bool valid = k < nk;
+    const int64_t idx = b * kv.len + k0 + (valid ? k : 0);
+    cm[i] = make_col_mask(valid, kv.seg[idx], kv.pos[idx]);
+  }
+  bool any = false;
+  for (int r = 0; r < nq && !any; ++r) {
+    const int64_t idx = b * q.len + q0 + r;
+    const RowMask rm = make_row_mask(true, q.seg[idx], q.pos[idx], m);
+    CUTE_UNROLL
+    for (int i = 0; i < kMaxTileTokens / 32; ++i) any |= allowed(rm, cm[i]);
+  }
+  return __any_sync(0xffffffffu, any);
+}
+
+// One warp per row tile scans all column tiles. With a window or chunks, the ends of the range
+// are then checked pair by pair and tiles with no allowed pair dropped (with the skipped run
+// behind them): otherwise the kernels would compute such a tile, and walk the run of skipped
+// tiles between it and the window one summary load at a time.
 __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
-    const TileSummary* __restrict__ rows, int64_t n_rows, const TileSummary* __restrict__ cols,
-    int64_t n_cols, MaskParams mask, bool rows_are_q, TileRange* __restrict__ out) {
+    const TileSummary* __restrict__ rows, int64_t n_rows, TileTokens row_tokens,
+    const TileSummary* __restrict__ cols, int64_t n_cols, TileTokens col_tokens, MaskParams mask,
+    bool rows_are_q, TileRange* __restrict__ out) {
   const int lane = threadIdx.x % 32;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRangeWarps + threadIdx.x / 32;
   const int64_t b = blockIdx.y;
   if (r >= n_rows) return;
   const TileSummary a = rows[b * n_rows + r];
+  auto class_of = [&](int c) {
+    const TileSummary s = cols[b * n_cols + c];
+    return static_cast<int>(rows_are_q ? classify_tiles(a, s, mask) : classify_tiles(s, a, mask));
+  };
   int first = INT_MAX, last = -1;
   for (int64_t c = lane; c < n_cols; c += 32) {
-    const TileSummary s = cols[b * n_cols + c];
-    const TileClass cls = rows_are_q ? classify_tiles(a, s, mask) : classify_tiles(s, a, mask);
-    if (cls != TileClass::kSkip) {
+    if (class_of(static_cast<int>(c)) != detail::kSkip) {
       first = min(first, static_cast<int>(c));
       last = max(last, static_cast<int>(c));
     }
@@ -68,6 +103,38 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
   for (int o = 16; o > 0; o >>= 1) {
     first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
     last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+  }
+  const bool trim = mask.window_left >= 0 || mask.window_right >= 0 || mask.chunk_size > 0;
+  if (trim && first <= last) {
+    auto interacts = [&](int c) {
+      return rows_are_q ? tiles_interact(row_tokens, r, col_tokens, c, b, mask)
+                        : tiles_interact(col_tokens, c, row_tokens, r, b, mask);
+    };
+    for (int t = 0; t < kMaxTrimmed && first <= last && !interacts(last); ++t) {
+      // the last unskipped tile before `last` (32 at a time), or first - 1
+      int prev = first - 1;
+      for (int base = last - 1; base >= first; base -= 32) {
+        const int c = base - lane;
+        const unsigned hit = __ballot_sync(0xffffffffu, c >= first && class_of(c) != detail::kSkip);
+        if (hit != 0u) {
+          prev = base - (__ffs(hit) - 1);
+          break;
+        }
+      }
+      last = prev;
+    }
+    for (int t = 0; t < kMaxTrimmed && first <= last && !interacts(first); ++t) {
+      int next = last + 1;
+      for (int base = first + 1; base <= last; base += 32) {
+        const int c = base + lane;
+        const unsigned hit = __ballot_sync(0xffffffffu, c <= last && class_of(c) != detail::kSkip);
+        if (hit != 0u) {
+          next = base + (__ffs(hit) - 1);
+          break;
+        }
+      }
+      first = next;
+    }
   }
   if (lane == 0) out[b * n_rows + r] = first <= last ? make_int2(first, last + 1) : make_int2(0, 0);
 }
@@ -136,15 +203,18 @@ cudaError_t launch_tile_summaries(const int32_t* seg, const int32_t* pos, int64_
   return cudaGetLastError();
 }
 
-cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileSummary* cols,
-                               int64_t n_cols, int64_t batch, const MaskParams& mask,
-                               bool rows_are_q, TileRange* out, cudaStream_t stream) {
+cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileTokens& row_tokens,
+                               const TileSummary* cols, int64_t n_cols, const TileTokens& col_tokens,
+                               int64_t batch, const MaskParams& mask, bool rows_are_q, TileRange* out,
+                               cudaStream_t stream) {
   if (batch == 0 || n_rows == 0) return cudaSuccess;
   if (batch > 65535) return cudaErrorInvalidValue;
+  // tiles_interact gives a lane at most 4 tokens of the key side
+  if ((rows_are_q ? col_tokens.tile : row_tokens.tile) > kMaxTileTokens) return cudaErrorInvalidValue;
   const int64_t blocks = ceil_div64(n_rows, kRangeWarps);
   tile_range_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)),
-                      kRangeWarps * 32, 0, stream>>>(rows, n_rows, cols, n_cols, mask, rows_are_q,
-                                                     out);
+                      kRangeWarps * 32, 0, stream>>>(rows, n_rows, row_tokens, cols, n_cols, col_tokens,
+                                                     mask, rows_are_q, out);
   return cudaGetLastError();
 }
 
