@@ -510,10 +510,11 @@ static bool sm90_forced_by_env() {
 bool fwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;
   if (sm90_forced_by_env()) return sm90_kernels_available();
-  // Measured on an H100 (tools/sm90_smoke.py, session 5, sm_90a / sm_80 time ratio): D 64
-  // 1.06-1.24x, chunk 2048 1.07x, window 1024 1.11x, but window 256 0.92x: with a short window a
-  // query tile sees only a few key tiles, and the sm_80 kernel's several CTAs per multiprocessor
-  // hide the per-CTA start that the one 384-thread sm_90a CTA exposes.
+  // Measured with tools/sm90_smoke.py (sm_90a / sm_80 time ratio). Session 5 (H100, one CTA
+  // per query tile): D 64 1.06-1.24x, chunk 2048 1.07x, window 1024 1.11x, but window 256 0.92x.
+  // Session 7, persistent kernel: window 256 0.96x (H100, before the spill fix) and 1.05x (H200,
+  // final code), window 1024 1.28-1.36x. Short windows stay on the sm_80 kernel until a run
+  // on both devices shows them faster.
   if (a.mask.window_left >= 0 && a.mask.window_left < 512) return false;
   return sm90_kernels_available();
 }
