@@ -453,7 +453,7 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
   cudaError_t err = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), KT::kSmemBytes, &smem_done);
   if (err != cudaSuccess) return err;
   const int64_t tiles = batch * p.nq * p.Hq;
-  if (tiles > INT_MAX) return cudaErrorInvalidValue;
+  if (tiles > INT_MAX - (1 << 20)) return cudaErrorInvalidValue;  // the counter runs past the last tile
   P.n_tiles = static_cast<int>(tiles);
   err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
   if (err != cudaSuccess) return err;
