@@ -284,5 +284,18 @@ __forceinline__ __device__ int warp_first_unskipped(int i, int end, ClassOf clas
   return end;
 }
 
+// The mirror of warp_first_unskipped: the last tile index in [begin, i] whose class is not
+// kSkip (begin - 1: none), 32 tiles per round. Every lane must call it with the same arguments.
+template <class ClassOf>
+__forceinline__ __device__ int warp_last_unskipped(int i, int begin, ClassOf class_of) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (; i >= begin; i -= 32) {
+    const int mine = i - lane;
+    const unsigned hit = __ballot_sync(0xffffffffu, mine >= begin && class_of(mine) != kSkip);
+    if (hit != 0u) return i - (__ffs(hit) - 1);
+  }
+  return begin - 1;
+}
+
 }  // namespace detail
 }  // namespace jaxcp::cuda

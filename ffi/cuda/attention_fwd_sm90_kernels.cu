@@ -457,7 +457,8 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
   P.n_tiles = static_cast<int>(tiles);
   err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
   if (err != cudaSuccess) return err;
-  const int64_t ctas = tiles < multiprocessor_count() ? tiles : multiprocessor_count();
+  const int64_t sms = multiprocessor_count();
+  const int64_t ctas = tiles < sms ? tiles : sms;
   kernel<<<static_cast<unsigned>(ctas), KT::kThreads, KT::kSmemBytes, stream>>>(P);
   return cudaGetLastError();
 }

@@ -110,31 +110,11 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
       return rows_are_q ? tiles_interact(row_tokens, r, col_tokens, c, b, mask)
                         : tiles_interact(col_tokens, c, row_tokens, r, b, mask);
     };
-    for (int t = 0; t < kMaxTrimmed && first <= last && !interacts(last); ++t) {
-      // the last unskipped tile before `last` (32 at a time), or first - 1
-      int prev = first - 1;
-      for (int base = last - 1; base >= first; base -= 32) {
-        const int c = base - lane;
-        const unsigned hit = __ballot_sync(0xffffffffu, c >= first && class_of(c) != detail::kSkip);
-        if (hit != 0u) {
-          prev = base - (__ffs(hit) - 1);
-          break;
-        }
-      }
-      last = prev;
-    }
-    for (int t = 0; t < kMaxTrimmed && first <= last && !interacts(first); ++t) {
-      int next = last + 1;
-      for (int base = first + 1; base <= last; base += 32) {
-        const int c = base + lane;
-        const unsigned hit = __ballot_sync(0xffffffffu, c <= last && class_of(c) != detail::kSkip);
-        if (hit != 0u) {
-          next = base + (__ffs(hit) - 1);
-          break;
-        }
-      }
-      first = next;
-    }
+    for (int t = 0; t < kMaxTrimmed && first <= last && !interacts(last); ++t)
+      last = detail::warp_last_unskipped(last - 1, first, class_of);
+    int unused;
+    for (int t = 0; t < kMaxTrimmed && first <= last && !interacts(first); ++t)
+      first = detail::warp_first_unskipped(first + 1, last + 1, class_of, unused);
   }
   if (lane == 0) out[b * n_rows + r] = first <= last ? make_int2(first, last + 1) : make_int2(0, 0);
 }
