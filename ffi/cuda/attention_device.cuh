@@ -221,26 +221,28 @@ __forceinline__ __device__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 1);
 }
 
-// Online softmax over one tile of scores s (rows, cols), already scaled to log2 units and
-// masked with -inf: updates the running row max and sum (over the quad that shares a row),
-// replaces s by exp2(s - max) and leaves in corr[] the factor that rescales earlier partials.
+// Online softmax over one tile of scores s (rows, cols), masked with -inf, in log2 units once
+// multiplied by scale (> 0; a caller that scaled s already passes 1): updates the running row
+// max (scaled) and sum over the quad that shares a row, replaces s by exp2(s scale - max) and
+// leaves in corr[] the factor that rescales earlier partials. The scale is folded into the
+// exponent's FFMA: the max of the raw scores times a positive scale is the max of the scaled.
 template <class S, int kRows>
-__forceinline__ __device__ void online_softmax(S& s, float (&row_max)[kRows], float (&row_sum)[kRows],
+__forceinline__ __device__ void online_softmax(S& s, float scale, float (&row_max)[kRows], float (&row_sum)[kRows],
                                                float (&corr)[kRows]) {
   constexpr int kCols = decltype(size<1>(s))::value;
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
-    float mx = row_max[mi];
+    float mx = -INFINITY;
     CUTE_UNROLL
     for (int ni = 0; ni < kCols; ++ni) mx = fmaxf(mx, s(mi, ni));
-    mx = quad_max(mx);
+    mx = fmaxf(row_max[mi], quad_max(mx) * scale);
     const float m_use = mx == -INFINITY ? 0.f : mx;  // all masked so far: exp2(-inf - 0) = 0
     corr[mi] = exp2f(row_max[mi] - m_use);
     row_max[mi] = mx;
     float sum = 0.f;
     CUTE_UNROLL
     for (int ni = 0; ni < kCols; ++ni) {
-      const float e = exp2f(s(mi, ni) - m_use);
+      const float e = exp2f(fmaf(s(mi, ni), scale, -m_use));
       s(mi, ni) = e;
       sum += e;
     }

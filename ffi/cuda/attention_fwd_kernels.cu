@@ -182,9 +182,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
       }
     }
 
-    // Online softmax (log2 domain; scores already scaled); rescale O by each row's correction.
+    // Online softmax (log2 domain; scores scaled above, so any sign of scale works here);
+    // rescale O by each row's correction.
     float corr[kRows];
-    online_softmax(s, row_max, row_sum, corr);
+    online_softmax(s, 1.f, row_max, row_sum, corr);
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       CUTE_UNROLL

@@ -326,13 +326,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     clear(acc_o);
 
-    // Scale, mask (partial tiles only) and the online softmax of S_j; corr[] rescales O.
+    // Mask (partial tiles only) and the online softmax of S_j, scaled in its exponent; corr[]
+    // rescales O.
     // A partial tile's key masks: in shared memory once cols_full of its stage completes the
     // phase of the stage's use (the K state's, taken before it advanced). They stay until V of
     // this tile is released after the next P V, which the producer waits for before rewriting.
     auto softmax = [&](int ct, int stage, int phase) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= p.scale_log2;
       if (ct == kPartial) {
         mbar_wait(&ss.cols_full[stage], phase);
         const ColMask* cols = ss.cols[stage];
@@ -344,7 +343,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             if (!allowed(rm[mi], cm)) s_rc(mi, ni) = -INFINITY;
         }
       }
-      online_softmax(s_rc, row_max, row_sum, corr);
+      online_softmax(s_rc, p.scale_log2, row_max, row_sum, corr);  // scale_log2 > 0: fwd_use_sm90
     };
     auto rescale_o = [&]() {
       CUTE_UNROLL
@@ -374,7 +373,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       pre = prefetch(j);
       pipe_k.consumer_wait(read_k);
       sched_wait();
-      wgmma_issue<true>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+      // Q's descriptors rebuilt for each key tile: held across the loop, D 256's 16 spilled.
+      wgmma_issue<true>(mma_s, mma_s.get_thread_slice(opaque_thread_index() - 128).partition_fragment_A(sQ),
+                        tSrK(_, _, _, read_k.index()), acc_s);
       rescale_o();
       pipe_v.consumer_wait(read_v);
       wgmma_issue<false>(mma_o, tOrP, tOrV(_, _, _, read_v.index()), acc_o);
@@ -510,6 +511,7 @@ static bool sm90_forced_by_env() {
 
 bool fwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;
+  if (!(a.scale > 0.f)) return false;  // the kernel folds the scale into exp2 (online_softmax)
   if (sm90_forced_by_env()) return sm90_kernels_available();
   // Measured with tools/sm90_smoke.py (sm_90a / sm_80 time ratio). Session 5 (H100, one CTA
   // per query tile): D 64 1.06-1.24x, chunk 2048 1.07x, window 1024 1.11x, but window 256 0.92x.
