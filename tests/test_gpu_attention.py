@@ -137,3 +137,14 @@ def test_sm90_forward_on_short_windows(mask, head_dim, monkeypatch):
   rng = np.random.default_rng(4)
   seg = random_segments(rng, 2, 700, mean_doc=150)
   _compare(*_qkv(4, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])
+
+
+@pytest.mark.parametrize("scale", [0.3, 0.0, -0.2])
+def test_explicit_scales(scale, monkeypatch):
+  """The sm_90a forward folds a positive scale into its exponent; zero and negative scales go to
+  the sm_80 forward even when sm_90a is forced, and every scale must match the reference."""
+  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
+  rng = np.random.default_rng(6)
+  seg = random_segments(rng, 2, 700, mean_doc=150)
+  _compare(*_qkv(6, 2, 700, 700, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True,
+           scale=scale)

@@ -89,7 +89,8 @@ struct BwdSm90Traits {
     cute::array_aligned<float, kBM * kStages, 128> lse2;
     cute::array_aligned<float, kBM * kStages, 128> delta;
     RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
-    TileSummary next_sum[kConsumerThreads];  // each consumer thread's copy of a query tile summary
+    ColMask q_rows[2][2][kBM];   // [consumer warpgroup][parity of the step][query]: the next tile's
+    TileSummary next_sum[kConsumerThreads / 32];  // each consumer warp's copy of a tile summary
     typename Pipeline::SharedStorage pipe_q, pipe_do;
     alignas(8) uint64_t kv_full;
   };
@@ -225,27 +226,6 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   typename KT::TiledMmaSdP mma_sdp;
   typename KT::TiledMmadKV mma_dkv;
   typename KT::TiledMmadQ mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-  auto thr_dq = mma_dq.get_thread_slice(tidx);
-  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutQt{});
-  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKt{});
-  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdS{});
-  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdSt{});
-
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stages)
-  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stages)
-  Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
-  Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, 2)
-  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
-  // Stores of dS through the swizzle applied to offsets from a shared-memory pointer (a swizzled
-  // pointer is rebuilt from an integer: generic stores and 64-bit addresses held in registers).
-  Tensor tdSsdS = thr_sdp.partition_C(as_position_independent_swizzle_tensor(sdSt));  // (MMA, M, N, 2)
-
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
   Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
@@ -259,10 +239,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_sm90(rdS.layout()));
 
   Tensor cS = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
-  Tensor tScS = thr_sdp.partition_C(cS);
-  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_sm90(tScS.layout()));
-  constexpr int kRows = decltype(size<0>(tScS_rc))::value;  // keys of this thread
-  constexpr int kCols = decltype(size<1>(tScS_rc))::value;  // queries of this thread
+  auto coords = [&](int thread) {  // (key, query) of each of this thread's S^T elements, (rows, cols)
+    Tensor t = mma_sdp.get_thread_slice(thread).partition_C(cS);
+    return make_tensor(t.data(), acc_rowcol_sm90(t.layout()));
+  };
+  using Coords = decltype(coords(0));
+  constexpr int kRows = decltype(size<0>(Coords{}))::value;  // keys of this thread
+  constexpr int kCols = decltype(size<1>(Coords{}))::value;  // queries of this thread
   clear(acc_dk);
   clear(acc_dv);
 
@@ -270,32 +253,80 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     ColMask cm[kRows];
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      const int r = get<0>(tScS_rc(mi, 0));
+      const int r = get<0>(coords(tidx)(mi, 0));
       const bool valid = r < w.kv_rows;
       const int64_t idx = static_cast<int64_t>(w.b) * p.Skv + w.k0 + (valid ? r : 0);
       cm[mi] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx]);
     }
     TxBarrier::wait(&ss.kv_full, 0);
     typename Pipeline::PipelineState read;
-    int h = w.h_begin, i = i_first, c = cls_first, ds_stage = 0, n_partial = 0;
+    int h = w.h_begin, i = i_first, c = cls_first, ds_stage = 0, n_partial = 0, staged = -1;
     const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
-    TileSummary* next_sum = &ss.next_sum[tidx];
+    const int lane = t_wg % 32;
+    TileSummary* next_sum = &ss.next_sum[tidx / 32];
+    const int64_t row0 = static_cast<int64_t>(w.b) * p.Sq;
     do {
-      // The summary of the next query tile is copied (cp.async) into this thread's slot now and
-      // classified at the end of the step: off the critical path, no registers held meanwhile
-      // (only a run of skipped tiles loads more there).
-      cp_async_16(next_sum, q_sum + (i + 1 < w.range.y ? i + 1 : i));
+      // Per-thread fragments (shared-memory descriptors) and coordinates, rebuilt for every step
+      // from opaque_thread_index: built once, they were held across the loop, and spilled.
+      const int tix = opaque_thread_index() - 128;
+      auto thr_sdp = mma_sdp.get_thread_slice(tix);
+      auto thr_dkv = mma_dkv.get_thread_slice(tix);
+      auto thr_dq = mma_dq.get_thread_slice(tix);
+      Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQt{});
+      Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutQt{});
+      Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKt{});
+      Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdS{});
+      Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdSt{});
+
+      Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+      Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stages)
+      Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+      Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stages)
+      Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
+      Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+      Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, 2)
+      Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+      // Stores of dS through the swizzle applied to offsets from a shared-memory pointer (a
+      // swizzled pointer is rebuilt from an integer: generic stores, 64-bit addresses held in
+      // registers). (MMA, M, N, 2)
+      Tensor tdSsdS = thr_sdp.partition_C(as_position_independent_swizzle_tensor(sdSt));
+      const auto tScS_rc = coords(tix);
+      // The summary of the next query tile is copied (cp.async, one lane per warp) into the
+      // warp's slot now and classified at the end of the step: off the critical path, no
+      // registers held meanwhile (only a run of skipped tiles loads more there). (A copy per
+      // thread of the same 16 bytes was a quarter of the kernel's shared-memory wavefronts.)
+      if (lane == 0) cp_async_16(next_sum, q_sum + (i + 1 < w.range.y ? i + 1 : i));
       const int st = read.index();
       const int64_t q0 = static_cast<int64_t>(i) * BM;
       const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
-      // Query masks of a partial tile: thread k of the warpgroup builds query k's (its loads
-      // issued before the GEMMs) into shared memory, double-buffered by the parity of the partial
-      // tile. Built by each thread for its own 16 queries, the loads were issued one at a time.
+      // Query masks of a partial tile: thread k of the warpgroup builds query k's into shared
+      // memory, double-buffered by the parity of the partial tile. Its (segment, position) was
+      // staged by the previous step (cp.async below) unless a skip or a new head came between;
+      // loaded here, the latency was exposed at the GEMMs' issue.
       RowMask rm_next{};
       if (c == kPartial && t_wg < BM) {
         const bool valid = t_wg < q_rows;
-        const int64_t idx = static_cast<int64_t>(w.b) * p.Sq + q0 + (valid ? t_wg : 0);
-        rm_next = make_row_mask(valid, __ldg(p.q_seg + idx), __ldg(p.q_pos + idx), p.mask);
+        ColMask id;
+        if (staged == i) {
+          id = ss.q_rows[wg][ds_stage][t_wg];
+        } else {
+          const int64_t idx = row0 + q0 + (valid ? t_wg : 0);
+          id = ColMask{__ldg(p.q_seg + idx), __ldg(p.q_pos + idx)};
+        }
+        rm_next = make_row_mask(valid, id.seg, id.pos, p.mask);
+      }
+      // Stage the next tile's (segment, position) for the next step (zeros past the end: seg 0
+      // masks the row), in the other parity's buffer: this step's may still be read above.
+      staged = -1;
+      if (i + 1 < w.range.y) {
+        staged = i + 1;
+        if (t_wg < BM) {
+          const int64_t tok = q0 + BM + t_wg;
+          const bool ok = tok < p.Sq;
+          ColMask* dst = &ss.q_rows[wg][ds_stage ^ 1][t_wg];
+          cp_async_i32(&dst->seg, p.q_seg + row0 + (ok ? tok : 0), ok);
+          cp_async_i32(&dst->pos, p.q_pos + row0 + (ok ? tok : 0), ok);
+        }
       }
       pipe_q.consumer_wait(read);
       wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), acc_s);
@@ -379,11 +410,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       pipe_do.consumer_release(read);
       ++read;
       ds_stage ^= 1;
-      cp_async_wait_all();
+      cp_async_wait_all();  // the summary (lane 0) and the staged rows
+      __syncwarp();
       if (++i < w.range.y) {
         c = bwd_q_class<BM>(p, w, *next_sum, i);
         if (c == kSkip) i = bwd_next_q_serial<BM>(p, w, i + 1, c);
       }
+      __syncwarp();  // every lane has read the slot before lane 0 copies into it again
       if (i >= w.range.y) {
         ++h;
         i = i_first;
@@ -394,7 +427,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
 
   // Epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO (zeros when the block had no work).
   Tensor cKV = make_identity_tensor(Shape<Int<BN>, Int<D>>{});
-  Tensor tc = thr_dkv.partition_C(cKV);
+  Tensor tc = mma_dkv.get_thread_slice(tidx).partition_C(cKV);
   Tensor tc_rc = make_tensor(tc.data(), acc_rowcol_sm90(tc.layout()));
   Tensor dk_rc = make_tensor(acc_dk.data(), acc_rowcol_sm90(acc_dk.layout()));
   Tensor dv_rc = make_tensor(acc_dv.data(), acc_rowcol_sm90(acc_dv.layout()));
