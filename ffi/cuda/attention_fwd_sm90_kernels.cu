@@ -61,10 +61,14 @@ struct FwdSm90Traits {
   // through sQ and the next Q waits for the epilogue.
   static constexpr bool kSeparateO = kHeadDim <= 128;
 
-  // What the producer tells the consumers about their next tile (t < 0: no tiles left).
+  // What the producer tells the consumers about their next tile (t < 0: no tiles left; j >= end:
+  // no key tile to visit) and about each key tile it loads into a stage (its class, and whether
+  // another key tile of the same query tile follows): the consumers walk no plan of their own.
   struct TileInfo {
-    int t, j, c, end;  // tile index, its first key tile and that tile's class, key tile range end
-    TileSummary qsum;
+    int t, j, end;  // tile index, its first unskipped key tile, key tile range end
+  };
+  struct StageInfo {
+    int c, more;
   };
 
   struct SharedStorage {
@@ -75,11 +79,12 @@ struct FwdSm90Traits {
     ColMask cols[kStages][kBN];  // key masks of a partial tile, in the stage of its K/V
     ColMask rows[kBM];           // (segment, position) of the tile's query rows
     TileInfo info;
+    StageInfo stage_info[kStages];
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     alignas(8) uint64_t q_full;     // Q landed (TMA transaction bytes)
     alignas(8) uint64_t info_full;  // info and rows written: 32 cp.async lanes + lane 0's store
     alignas(8) uint64_t q_empty;    // every consumer thread is done with sQ, info and rows
-    alignas(8) uint64_t cols_full[kStages];  // 32 producer lanes arrive as their copies land
+    alignas(8) uint64_t cols_full[kStages];  // a stage's info and masks: 32 cp.async lanes + lane 0
   };
   static constexpr int kInfoArrivals = 33;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     TxBarrier::init(&ss.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&ss.info_full, KT::kInfoArrivals);
     cutlass::arch::ClusterBarrier::init(&ss.q_empty, KT::kConsumerThreads);
-    for (int st = 0; st < KT::kNStages; ++st) cutlass::arch::ClusterBarrier::init(&ss.cols_full[st], 32);
+    for (int st = 0; st < KT::kNStages; ++st) cutlass::arch::ClusterBarrier::init(&ss.cols_full[st], KT::kInfoArrivals);
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -203,7 +208,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       }
       cp_async_arrive(&ss.info_full);
       if (lane == 0) {
-        ss.info = typename KT::TileInfo{live ? t : -1, j, c, range.y, qsum};
+        ss.info = typename KT::TileInfo{live ? t : -1, j, range.y};
         mbar_arrive(&ss.info_full);
       }
       if (!live) break;
@@ -220,7 +225,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
           copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
         }
-        for (; j < range.y; j = fwd_next_tile<BN>(p, qsum, kv_sum, range.y, j + 1, c)) {
+        while (j < range.y) {
           if (lane == 0) {
             pipe_k.producer_acquire(write);
             copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
@@ -239,7 +244,15 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             }
           }
           cp_async_arrive(&ss.cols_full[write.index()]);  // every tile, so the phases follow the stages
+          int c_next = kSkip;
+          const int j_next = fwd_next_tile<BN>(p, qsum, kv_sum, range.y, j + 1, c_next);
+          if (lane == 0) {
+            ss.stage_info[write.index()] = typename KT::StageInfo{c, j_next < range.y};
+            mbar_arrive(&ss.cols_full[write.index()]);
+          }
           ++write;
+          j = j_next;
+          c = c_next;
         }
       }
       t = __shfl_sync(0xffffffffu, t_next, 0);
@@ -270,9 +283,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     mbar_wait(&ss.info_full, n & 1);
     const int t = ss.info.t;
     if (t < 0) break;
-    int j = ss.info.j, c = ss.info.c;
-    const int end = ss.info.end;
-    const TileSummary qsum = ss.info.qsum;
+    const bool empty = ss.info.j >= ss.info.end;
     const FwdTile ti = fwd_tile<BM>(p, P.batch, t);
     // Per-thread fragments and coordinates, rebuilt for every tile (see opaque_thread_index).
     const int tidx = opaque_thread_index() - 128, t_wg = tidx % 128;
@@ -293,11 +304,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     constexpr int kRows = decltype(size<0>(tScS_rc))::value;
     constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
-    const TileSummary* kv_sum = p.kv_sum + static_cast<int64_t>(ti.b) * p.nkv;
     Element* out_ptr = static_cast<Element*>(p.out) +
                        (static_cast<int64_t>(ti.b) * p.Sq + ti.q0) * p.q_row + static_cast<int64_t>(ti.h) * D;
     float* lse_ptr = p.lse + (static_cast<int64_t>(ti.b) * p.Hq + ti.h) * p.Sq + ti.q0;
-    if (j >= end) {  // no allowed key for any row of this tile: out 0, lse -inf
+    if (empty) {  // no allowed key for any row of this tile: out 0, lse -inf
       mbar_arrive(&ss.q_empty);
       for (int idx = tidx; idx < ti.q_rows * (D / 8); idx += KT::kConsumerThreads) {
         const int r = idx / (D / 8), col = (idx % (D / 8)) * 8;
@@ -306,14 +316,6 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       for (int r = tidx; r < ti.q_rows; r += KT::kConsumerThreads) lse_ptr[r] = -INFINITY;
       continue;
     }
-    // next tile after j with the summary of tile j + 1 loaded early (`pre`), off the critical path.
-    auto advance = [&](int jt, const TileSummary& pre, int& ct) {
-      if (++jt >= end) return jt;
-      ct = tile_class(qsum, pre, p.mask, static_cast<int64_t>(jt + 1) * BN > p.Skv);
-      return ct != kSkip ? jt : fwd_next_tile<BN>(p, qsum, kv_sum, end, jt + 1, ct);
-    };
-    auto prefetch = [&](int jt) { return kv_sum[jt + 1 < end ? jt + 1 : jt]; };
-
     RowMask rm[kRows];
     float row_max[kRows], row_sum[kRows], corr[kRows];
     CUTE_UNROLL
@@ -326,14 +328,15 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     clear(acc_o);
 
-    // Mask (partial tiles only) and the online softmax of S_j, scaled in its exponent; corr[]
-    // rescales O.
-    // A partial tile's key masks: in shared memory once cols_full of its stage completes the
-    // phase of the stage's use (the K state's, taken before it advanced). They stay until V of
-    // this tile is released after the next P V, which the producer waits for before rewriting.
-    auto softmax = [&](int ct, int stage, int phase) {
-      if (ct == kPartial) {
-        mbar_wait(&ss.cols_full[stage], phase);
+    // The stage's info (written by the producer with its key masks): the key tile's class and
+    // whether another follows. Then mask (partial tiles only) and the online softmax of S_j,
+    // scaled in its exponent; corr[] rescales O. A partial tile's key masks stay in the stage
+    // until V of this tile is released after the next P V, which the producer waits for before
+    // rewriting them (and the info).
+    auto softmax = [&](int stage, int phase) {
+      mbar_wait(&ss.cols_full[stage], phase);
+      const typename KT::StageInfo si = ss.stage_info[stage];
+      if (si.c == kPartial) {
         const ColMask* cols = ss.cols[stage];
         CUTE_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
@@ -344,6 +347,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         }
       }
       online_softmax(s_rc, p.scale_log2, row_max, row_sum, corr);  // scale_log2 > 0: fwd_use_sm90
+      return si.more != 0;
     };
     auto rescale_o = [&]() {
       CUTE_UNROLL
@@ -365,12 +369,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     pipe_k.consumer_release(read_k);
     int stage = read_k.index(), phase = read_k.phase();
     ++read_k;
-    TileSummary pre = prefetch(j);
-    softmax(c, stage, phase);
+    bool more = softmax(stage, phase);
     convert_into(rP, acc_s);
-    j = advance(j, pre, c);
-    for (; j < end; j = advance(j, pre, c)) {
-      pre = prefetch(j);
+    while (more) {
       pipe_k.consumer_wait(read_k);
       sched_wait();
       // Q's descriptors rebuilt for each key tile: held across the loop, D 256's 16 spilled.
@@ -386,7 +387,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       stage = read_k.index();
       phase = read_k.phase();
       ++read_k;
-      softmax(c, stage, phase);
+      more = softmax(stage, phase);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       warpgroup_fence_operand(rP);
