@@ -79,6 +79,12 @@ struct BwdSm90Traits {
   static constexpr uint32_t kQStageBytes = kBM * kD * sizeof(Element) + kRowBytes;
   static constexpr uint32_t kKVBytes = 2 * kBN * kD * sizeof(Element);
 
+  // A step as the producer tells the consumers (with the stage's dO: its arrive releases it): the
+  // query tile, its class, and whether another step follows. The consumers walk no plan.
+  struct StepInfo {
+    int i, c, more;
+  };
+
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
@@ -90,7 +96,7 @@ struct BwdSm90Traits {
     cute::array_aligned<float, kBM * kStages, 128> delta;
     RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
     ColMask q_rows[2][2][kBM];   // [consumer warpgroup][parity of the step][query]: the next tile's
-    TileSummary next_sum[kConsumerThreads / 32];  // each consumer warp's copy of a tile summary
+    StepInfo step_info[kStages];  // the step whose Q / dO a stage holds (written by the producer)
     typename Pipeline::SharedStorage pipe_q, pipe_do;
     alignas(8) uint64_t kv_full;
   };
@@ -160,6 +166,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
 
   if (warp_group == 0) {
+    // 24 x 128 + 240 x 256 = the 168 x 384 registers the block launched with: the consumers'
+    // setmaxnreg waits for registers this warpgroup frees, and never gets more (a deadlock).
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (!any_work) return;
     if (threadIdx.x / 32 == 1) {
@@ -200,6 +208,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     auto write = cutlass::make_producer_start_state<Pipeline>();
     int h = w.h_begin, i = i_first, c = cls_first;
+    bool more = true;
     do {
       const int st = write.index();
       const int64_t rows = (static_cast<int64_t>(w.b) * p.Hq + h) * p.sq_pad + static_cast<int64_t>(i) * BM;
@@ -211,12 +220,21 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       uint64_t* bar_q = pipe_q.producer_get_barrier(write);
       copy(P.tma_q.with(*bar_q, 0), tQg, tQs);
       SM90_BULK_COPY_G2S::copy(p.lse2 + rows, bar_q, ss.lse2.data() + st * BM, KT::kRowBytes);
+      // The stage's step info: free (the consumers read it before releasing this stage's Q, which
+      // producer_acquire waited for); published by the dO barrier's arrive (release semantics).
+      int h_next = h, i_next = i, c_next = c;
+      more = next_step(h_next, i_next, c_next);
+      ss.step_info[st] = typename KT::StepInfo{i, c, more};
+      asm volatile("" ::: "memory");  // cutlass's arrive asm has no memory clobber
       pipe_do.producer_acquire(write);
       uint64_t* bar_do = pipe_do.producer_get_barrier(write);
       copy(P.tma_do.with(*bar_do, 0), tdOg, tdOs);
       SM90_BULK_COPY_G2S::copy(p.delta + rows, bar_do, ss.delta.data() + st * BM, KT::kRowBytes);
       ++write;
-    } while (next_step(h, i, c));
+      h = h_next;
+      i = i_next;
+      c = c_next;
+    } while (more);
     return;
   }
 
@@ -260,10 +278,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     TxBarrier::wait(&ss.kv_full, 0);
     typename Pipeline::PipelineState read;
-    int h = w.h_begin, i = i_first, c = cls_first, ds_stage = 0, n_partial = 0, staged = -1;
-    const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
-    const int lane = t_wg % 32;
-    TileSummary* next_sum = &ss.next_sum[tidx / 32];
+    int ds_stage = 0, n_partial = 0, staged = -1;
+    bool more = true;
     const int64_t row0 = static_cast<int64_t>(w.b) * p.Sq;
     do {
       // Per-thread fragments (shared-memory descriptors) and coordinates, rebuilt for every step
@@ -291,29 +307,37 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       // registers). (MMA, M, N, 2)
       Tensor tdSsdS = thr_sdp.partition_C(as_position_independent_swizzle_tensor(sdSt));
       const auto tScS_rc = coords(tix);
-      // The summary of the next query tile is copied (cp.async, one lane per warp) into the
-      // warp's slot now and classified at the end of the step: off the critical path, no
-      // registers held meanwhile (only a run of skipped tiles loads more there). (A copy per
-      // thread of the same 16 bytes was a quarter of the kernel's shared-memory wavefronts.)
-      if (lane == 0) cp_async_16(next_sum, q_sum + (i + 1 < w.range.y ? i + 1 : i));
       const int st = read.index();
+      pipe_q.consumer_wait(read);
+      wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), acc_s);
+      pipe_do.consumer_wait(read);
+      wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), acc_dp);
+      asm volatile("" ::: "memory");  // the info is read after the wait (cutlass's asm: no clobber)
+      const typename KT::StepInfo step = ss.step_info[st];
+      const int i = step.i, c = step.c;
+      more = step.more != 0;
       const int64_t q0 = static_cast<int64_t>(i) * BM;
       const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
+      const float* lse2 = ss.lse2.data() + st * BM;
+      const float* delta = ss.delta.data() + st * BM;
       // Query masks of a partial tile: thread k of the warpgroup builds query k's into shared
       // memory, double-buffered by the parity of the partial tile. Its (segment, position) was
-      // staged by the previous step (cp.async below) unless a skip or a new head came between;
-      // loaded here, the latency was exposed at the GEMMs' issue.
-      RowMask rm_next{};
-      if (c == kPartial && t_wg < BM) {
-        const bool valid = t_wg < q_rows;
-        ColMask id;
-        if (staged == i) {
-          id = ss.q_rows[wg][ds_stage][t_wg];
-        } else {
-          const int64_t idx = row0 + q0 + (valid ? t_wg : 0);
-          id = ColMask{__ldg(p.q_seg + idx), __ldg(p.q_pos + idx)};
+      // staged by the previous step (cp.async below) unless a skip or a new head came between.
+      const RowMask* q_masks = ss.q_masks[wg][n_partial & 1];
+      if (c == kPartial) {
+        if (t_wg < BM) {
+          const bool valid = t_wg < q_rows;
+          ColMask id;
+          if (staged == i) {
+            id = ss.q_rows[wg][ds_stage][t_wg];
+          } else {
+            const int64_t idx = row0 + q0 + (valid ? t_wg : 0);
+            id = ColMask{__ldg(p.q_seg + idx), __ldg(p.q_pos + idx)};
+          }
+          ss.q_masks[wg][n_partial & 1][t_wg] = make_row_mask(valid, id.seg, id.pos, p.mask);
         }
-        rm_next = make_row_mask(valid, id.seg, id.pos, p.mask);
+        cutlass::arch::NamedBarrier::sync(128, KT::kBarQMasks + wg);
+        ++n_partial;
       }
       // Stage the next tile's (segment, position) for the next step (zeros past the end: seg 0
       // masks the row), in the other parity's buffer: this step's may still be read above.
@@ -327,18 +351,6 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           cp_async_i32(&dst->seg, p.q_seg + row0 + (ok ? tok : 0), ok);
           cp_async_i32(&dst->pos, p.q_pos + row0 + (ok ? tok : 0), ok);
         }
-      }
-      pipe_q.consumer_wait(read);
-      wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), acc_s);
-      pipe_do.consumer_wait(read);
-      wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), acc_dp);
-      const float* lse2 = ss.lse2.data() + st * BM;
-      const float* delta = ss.delta.data() + st * BM;
-      const RowMask* q_masks = ss.q_masks[wg][n_partial & 1];
-      if (c == kPartial) {
-        if (t_wg < BM) ss.q_masks[wg][n_partial & 1][t_wg] = rm_next;
-        cutlass::arch::NamedBarrier::sync(128, KT::kBarQMasks + wg);
-        ++n_partial;
       }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
@@ -410,19 +422,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       pipe_do.consumer_release(read);
       ++read;
       ds_stage ^= 1;
-      cp_async_wait_all();  // the summary (lane 0) and the staged rows
-      __syncwarp();
-      if (++i < w.range.y) {
-        c = bwd_q_class<BM>(p, w, *next_sum, i);
-        if (c == kSkip) i = bwd_next_q_serial<BM>(p, w, i + 1, c);
-      }
-      __syncwarp();  // every lane has read the slot before lane 0 copies into it again
-      if (i >= w.range.y) {
-        ++h;
-        i = i_first;
-        c = cls_first;
-      }
-    } while (h < w.h_end);
+      cp_async_wait_all();  // the staged rows
+    } while (more);
   }
 
   // Epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO (zeros when the block had no work).

@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     // The 32 lanes copy the key masks of each partial tile into the K/V stage it uses (cp.async,
     // landing on cols_full), so the consumers read them from shared memory with no global load
     // of their own and no barrier beyond that one.
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<40>();  // 40 x 128 + 232 x 256 = 168 x 384 (launch)
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     const int Sq = static_cast<int>(p.Sq), Skv = static_cast<int>(p.Skv);
