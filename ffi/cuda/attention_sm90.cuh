@@ -74,14 +74,6 @@ __forceinline__ __device__ void cp_async_i32(int32_t* dst, const int32_t* src, b
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-// Copies 16 bytes (four int32) from global to shared memory asynchronously, 4 bytes at a time:
-// only 4-byte alignment needed, which is all the workspace sub-buffers promise.
-__forceinline__ __device__ void cp_async_16(void* smem, const void* gmem) {
-  CUTE_UNROLL
-  for (int w = 0; w < 4; ++w)
-    cp_async_i32(static_cast<int32_t*>(smem) + w, static_cast<const int32_t*>(gmem) + w, true);
-}
-
 // Arrives on the mbarrier once this thread's earlier cp.async copies have landed (counts as one
 // of the barrier's expected arrivals).
 __forceinline__ __device__ void cp_async_arrive(uint64_t* bar) {
