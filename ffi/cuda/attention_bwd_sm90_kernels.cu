@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       int h_next = h, i_next = i, c_next = c;
       more = next_step(h_next, i_next, c_next);
       ss.step_info[st] = typename KT::StepInfo{i, c, more};
-      asm volatile("" ::: "memory");  // cutlass's arrive asm has no memory clobber
+      compiler_memory_fence();  // before producer_acquire's arrive on the dO barrier
       pipe_do.producer_acquire(write);
       uint64_t* bar_do = pipe_do.producer_get_barrier(write);
       copy(P.tma_do.with(*bar_do, 0), tdOg, tdOs);
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), acc_s);
       pipe_do.consumer_wait(read);
       wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), acc_dp);
-      asm volatile("" ::: "memory");  // the info is read after the wait (cutlass's asm: no clobber)
+      compiler_memory_fence();  // the info is read after the wait
       const typename KT::StepInfo step = ss.step_info[st];
       const int i = step.i, c = step.c;
       more = step.more != 0;

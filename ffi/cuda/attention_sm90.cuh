@@ -81,15 +81,19 @@ __forceinline__ __device__ void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"(b) : "memory");
 }
 
-// mbarrier wait and arrive that also order this thread's plain shared-memory accesses around
-// them: cutlass's ClusterBarrier asm has no "memory" clobber, so the compiler could move a load
-// of data the barrier guards above the wait, or a store below the arrive.
+// Keeps the compiler from moving plain memory accesses across this point. cutlass's barrier and
+// pipeline asm (ClusterBarrier, PipelineTmaAsync) has no "memory" clobber, so a load of data a
+// barrier guards could move above its wait, or a store below its arrive: put one after each
+// such wait and before each such arrive that publishes plain shared-memory data.
+__forceinline__ __device__ void compiler_memory_fence() { asm volatile("" ::: "memory"); }
+
+// mbarrier wait and arrive with that fence.
 __forceinline__ __device__ void mbar_wait(uint64_t* bar, int phase) {
   cutlass::arch::ClusterBarrier::wait(bar, phase);
-  asm volatile("" ::: "memory");
+  compiler_memory_fence();
 }
 __forceinline__ __device__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("" ::: "memory");
+  compiler_memory_fence();
   cutlass::arch::ClusterBarrier::arrive(bar);
 }
 
