@@ -95,7 +95,7 @@ struct BwdSm90Traits {
     cute::array_aligned<float, kBM * kStages, 128> lse2;
     cute::array_aligned<float, kBM * kStages, 128> delta;
     RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
-    ColMask q_rows[2][2][kBM];   // [consumer warpgroup][parity of the step][query]: the next tile's
+    ColMask q_rows[2][2][kBM];   // [consumer warpgroup][step parity][query]: next tile (seg, pos)
     StepInfo step_info[kStages];  // the step whose Q / dO a stage holds (written by the producer)
     typename Pipeline::SharedStorage pipe_q, pipe_do;
     alignas(8) uint64_t kv_full;
