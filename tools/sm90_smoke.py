@@ -52,7 +52,7 @@ def random_inputs(d, b, s, skv, hq, hkv, dtype):
   return q, k, v
 
 
-def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, max_doc=300):
+def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, max_doc=300, fixed_tiles=False):
   skv = skv or s
   rng = np.random.default_rng(0)
   q, k, v = random_inputs(d, b, s, skv, hq, hkv, dtype)
@@ -68,7 +68,7 @@ def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, max_do
         if pos >= s:
           break
     kw["segment_ids"] = jnp.asarray(seg)
-  with env(JAXCP_FORCE_SM90="1"):
+  with env(JAXCP_FORCE_SM90="1", JAXCP_FWD_FIXED_TILES="1" if fixed_tiles else "0"):
     out, lse = fwd(q, k, v, **kw)
   with env(JAXCP_DISABLE_SM90="1"):
     out80, lse80 = fwd(q, k, v, **kw)
@@ -76,7 +76,7 @@ def check(d, mask, b=2, s=700, hq=4, hkv=2, dtype=jnp.bfloat16, skv=None, max_do
   fin = np.isfinite(np.asarray(ref_lse))
   same_inf = bool((np.isneginf(np.asarray(lse)) == np.isneginf(np.asarray(ref_lse))).all())
   lse_err = float(np.abs(np.asarray(lse)[fin] - np.asarray(ref_lse)[fin]).max()) if fin.any() else 0.0
-  print(f"D={d} {mask} s={s} skv={skv} dtype={jnp.dtype(dtype).name}: out rel sm90 {rel(out, ref):.2e} "
+  print(f"D={d} {mask} s={s} skv={skv}{' fixed tiles' if fixed_tiles else ''} dtype={jnp.dtype(dtype).name}: out rel sm90 {rel(out, ref):.2e} "
         f"sm80 {rel(out80, ref):.2e}; lse max err {lse_err:.2e}; -inf rows agree {same_inf}; "
         f"nan {bool(np.isnan(np.asarray(out, np.float32)).any())}", flush=True)
 
@@ -120,6 +120,8 @@ if __name__ == "__main__":
     check(128, dict(), skv=333)
     check(128, dict(is_causal=True), hq=8, hkv=1)
     check(64, dict(is_causal=True), s=5)
+    check(128, dict(is_causal=True), fixed_tiles=True)
+    check(128, dict(local_window_size=(37, 11)), fixed_tiles=True)
     # More query tiles than multiprocessors: each persistent CTA runs several tiles, empty ones too.
     for d in (64, 128, 256):
       check(d, dict(is_causal=True), s=6000, hq=8, hkv=2, max_doc=1400)

@@ -71,6 +71,35 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
 // order[0..n) = indices of ranges[0..n) by decreasing range length (heaviest blocks first).
 cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int* order, cudaStream_t stream);
 
+// Document-aligned query tiles of the sm_90a forward (attention_doc_tiles_kernels.cu): rows
+// [q0, q0 + rows) of batch row b (rows <= kFwdBlockM), their summary, and the keys
+// [kv_lo, kv_hi) that any of them may attend (kv_lo == kv_hi: none).
+struct alignas(16) DocTile {
+  int b, q0, rows, kv_lo, kv_hi, pad[3];
+  TileSummary sum;
+};
+// Tile slots per batch row: an upper bound on the tiles of a row of len tokens.
+int doc_tile_capacity(int64_t len);
+// Workspace of the plan: anchor_bits [B, ceil(Sq / 32)], starts [B, capacity], counts [B],
+// offsets [B], total [1] (tiles of all rows), tiles [B * capacity] (the first *total used, row
+// by row, each row's in increasing q0), key_windows [B, Skv] (the summary of keys
+// [x, x + block N) for every key x).
+struct DocTileWorkspace {
+  TileSummary* key_windows;
+  uint32_t* anchor_bits;
+  int* starts;
+  int* counts;
+  int* offsets;
+  int* total;
+  DocTile* tiles;
+};
+// Builds the plan for queries `q` against keys `kv` (kv.tile = the kernel's block N, kv_sum its
+// summaries [B, n_kv_tiles]). fixed_grid: tiles of kFwdBlockM rows from token 0 (a development
+// aid: JAXCP_FWD_FIXED_TILES=1).
+cudaError_t launch_doc_tile_plan(const TileTokens& q, const TileSummary* kv_sum, int64_t n_kv_tiles,
+                                 const TileTokens& kv, int64_t batch, const MaskParams& mask, bool fixed_grid,
+                                 const DocTileWorkspace& ws, cudaStream_t stream);
+
 // Whether the current device is sm_90 and runs this build's sm_90a images (cached per device),
 // and whether JAXCP_DISABLE_SM90 (non-empty, not "0") forces the sm_80 kernels.
 bool sm90_kernels_available();

@@ -27,6 +27,9 @@ struct FwdParams {
   const TileRange* q_range;   // [B, nq]
   const int* order;           // [B * nq]: (b * nq + m) tiles, heaviest first (sm_80 kernel)
   int* tile_counter;          // the sm_90a kernel's next-tile counter (zeroed at its launch)
+  const DocTile* doc_tiles;   // the sm_90a kernel's query tiles (launch_doc_tile_plan)
+  const int* doc_total;       // how many of them
+  const TileSummary* key_windows;  // [B, Skv]: keys [x, x + block N) (launch_doc_tile_plan)
   int nq, nkv;
 };
 

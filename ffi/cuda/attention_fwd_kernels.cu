@@ -2,6 +2,7 @@
 // in float32 (log2 domain), LSE saved. Each block owns one (query tile, head, batch) and walks only
 // the key tiles its tile plan does not skip; "full" tiles run without any per-element mask.
 #include <climits>
+#include <cstdlib>
 
 #include "attention_fwd.cuh"
 
@@ -280,12 +281,16 @@ cudaError_t dispatch_fwd(const FwdParams& p, int64_t batch, int64_t d, cudaStrea
   }
 }
 
+// Both kernels' plans: the sm_80 kernel's fixed query tiles (q_sum, q_range, order) and the
+// sm_90a kernel's document tiles (doc_*); key summaries sized for the narrower key tiles.
 struct FwdWorkspace {
   size_t q_sum, kv_sum, q_range, order, tile_counter, bytes;
+  size_t doc_windows, doc_bits, doc_starts, doc_counts, doc_offsets, doc_total, doc_tiles;
 };
 
 FwdWorkspace fwd_workspace(const AttentionShape& s) {
   const int64_t nq = ceil_div64(s.q_len, kFwdBlockM), nkv = ceil_div64(s.kv_len, kFwdBlockN);
+  const int64_t slots = s.batch * static_cast<int64_t>(doc_tile_capacity(s.q_len));
   WorkspaceLayout w;
   FwdWorkspace r;
   r.q_sum = w.take(sizeof(TileSummary) * s.batch * nq);
@@ -293,8 +298,22 @@ FwdWorkspace fwd_workspace(const AttentionShape& s) {
   r.q_range = w.take(sizeof(TileRange) * s.batch * nq);
   r.order = w.take(sizeof(int) * s.batch * nq);
   r.tile_counter = w.take(sizeof(int));
+  r.doc_windows = w.take(sizeof(TileSummary) * s.batch * s.kv_len);
+  r.doc_bits = w.take(sizeof(uint32_t) * s.batch * ceil_div64(s.q_len, 32));
+  r.doc_starts = w.take(sizeof(int) * slots);
+  r.doc_counts = w.take(sizeof(int) * s.batch);
+  r.doc_offsets = w.take(sizeof(int) * s.batch);
+  r.doc_total = w.take(sizeof(int));
+  r.doc_tiles = w.take(sizeof(DocTile) * slots);
   r.bytes = w.bytes;
   return r;
+}
+
+// JAXCP_FWD_FIXED_TILES=1 (a development aid, for measuring document tiles) gives the sm_90a
+// kernel query tiles of 128 rows from token 0.
+bool fwd_fixed_tiles_by_env() {
+  const char* env = std::getenv("JAXCP_FWD_FIXED_TILES");
+  return env != nullptr && env[0] != '\0' && env[0] != '0';
 }
 
 }  // namespace detail
@@ -332,13 +351,23 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   auto* tile_counter = reinterpret_cast<int*>(base + ws.tile_counter);
 
   cudaError_t err;
-  if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kFwdBlockM, q_sum, stream))) return err;
   if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, block_n, kv_sum, stream))) return err;
   const TileTokens q_tok{q_seg, q_pos, s.q_len, kFwdBlockM}, kv_tok{kv_seg, kv_pos, s.kv_len, block_n};
-  if ((err = launch_tile_ranges(q_sum, nq, q_tok, kv_sum, nkv, kv_tok, s.batch, a.mask, /*rows_are_q=*/true,
-                                q_range, stream)))
-    return err;
-  if (!sm90 && (err = launch_tile_schedule(q_range, s.batch * nq, order, stream))) return err;
+  DocTileWorkspace doc{reinterpret_cast<TileSummary*>(base + ws.doc_windows),
+                       reinterpret_cast<uint32_t*>(base + ws.doc_bits), reinterpret_cast<int*>(base + ws.doc_starts),
+                       reinterpret_cast<int*>(base + ws.doc_counts), reinterpret_cast<int*>(base + ws.doc_offsets),
+                       reinterpret_cast<int*>(base + ws.doc_total), reinterpret_cast<DocTile*>(base + ws.doc_tiles)};
+  if (sm90) {
+    if ((err = launch_doc_tile_plan(q_tok, kv_sum, nkv, kv_tok, s.batch, a.mask, detail::fwd_fixed_tiles_by_env(),
+                                    doc, stream)))
+      return err;
+  } else {
+    if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kFwdBlockM, q_sum, stream))) return err;
+    if ((err = launch_tile_ranges(q_sum, nq, q_tok, kv_sum, nkv, kv_tok, s.batch, a.mask, /*rows_are_q=*/true,
+                                  q_range, stream)))
+      return err;
+    if ((err = launch_tile_schedule(q_range, s.batch * nq, order, stream))) return err;
+  }
 
   detail::FwdParams p;
   p.q = q; p.k = k; p.v = v;
@@ -353,7 +382,10 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.mask = a.mask;
   p.q_sum = q_sum; p.kv_sum = kv_sum; p.q_range = q_range; p.order = order;
   p.tile_counter = tile_counter;
-  p.nq = static_cast<int>(nq);
+  p.doc_tiles = doc.tiles;
+  p.doc_total = doc.total;
+  p.key_windows = doc.key_windows;
+  p.nq = sm90 ? doc_tile_capacity(s.q_len) : static_cast<int>(nq);  // sm_90a: tile slots per row
   p.nkv = static_cast<int>(nkv);
   if (sm90) return launch_fwd_sm90(p, s.batch, dtype, s.head_dim, stream);
   return dtype == DType::kBF16 ? detail::dispatch_fwd<cutlass::bfloat16_t>(p, s.batch, s.head_dim, stream)

@@ -2,8 +2,10 @@
 // one producer warp streams K/V tiles with TMA into a shared-memory ring guarded by mbarriers
 // (cutlass::PipelineTmaAsync); two consumer warpgroups own 64 query rows each and run
 // S = Q K^T and O += P V on wgmma, with the online softmax in registers (P never leaves them).
-// The tile plan (skip / full / partial per (query tile, key tile)) is the same as the sm_80
-// kernel's, so work follows the allowed area.
+// Query tiles start where documents start (attention_doc_tiles_kernels.cu), and each walks key
+// tiles from the first key any of its rows may attend, classified skip / full / partial on
+// their tokens as it goes: a document's rows meet key tiles aligned to its start, and work
+// follows the allowed area.
 //
 // Persistent: one CTA per multiprocessor takes query tiles from a global counter until none are
 // left. The producer runs a tile ahead: it classifies the next tile's first key tile, copies its
@@ -15,6 +17,7 @@
 #include <cstdlib>
 
 #include "attention_fwd.cuh"
+#include "attention_plan.cuh"
 
 #include "attention_sm90.cuh"
 
@@ -61,11 +64,11 @@ struct FwdSm90Traits {
   // through sQ and the next Q waits for the epilogue.
   static constexpr bool kSeparateO = kHeadDim <= 128;
 
-  // What the producer tells the consumers about their next tile (t < 0: no tiles left; j >= end:
-  // no key tile to visit) and about each key tile it loads into a stage (its class, and whether
+  // What the producer tells the consumers about their next tile (b < 0: no tiles left; work 0:
+  // no key to visit) and about each key tile it loads into a stage (its class, and whether
   // another key tile of the same query tile follows): the consumers walk no plan of their own.
   struct TileInfo {
-    int t, j, end;  // tile index, its first unskipped key tile, key tile range end
+    int b, h, q0, rows, work;
   };
   struct StageInfo {
     int c, more;
@@ -94,42 +97,57 @@ struct FwdSm90Traits {
 template <class KT>
 struct FwdSm90Params {
   FwdParams p;
-  int batch, kv_heads, n_tiles;
+  int batch, kv_heads;
   typename KT::TmaQ tma_q;
   typename KT::TmaKV tma_k, tma_v;
 };
 
-// Query tile t. Tiles are numbered (kv head, row, query tile, q head in group), query tiles last
-// to first: tiles taken together read the same K/V from L2 (a work-sorted order streamed K/V
-// from DRAM), the heads of a GQA group are neighbours, and the heavy tiles of causal rows start
-// early. Index arithmetic only; the producer loads the tile's plan entries.
-struct FwdTile {
-  int b, h, hk, m_block, q_rows;
-  int64_t q0;
+// Work item t: (kv head, document tile, q head in group), document tiles last to first. Items
+// taken together read the same K/V from L2 (a work-sorted order streamed K/V from DRAM), the
+// heads of a GQA group are neighbours, and the heavy tiles of causal rows start early.
+struct FwdItem {
+  int g, h, hk;  // document tile, q head, kv head
 };
 
-template <int BM>
-__forceinline__ __device__ FwdTile fwd_tile(const FwdParams& p, int batch, int t) {
-  FwdTile ti;
+__forceinline__ __device__ FwdItem fwd_item(const FwdParams& p, int n_doc_tiles, int t) {
+  FwdItem it;
   const int h_in_group = t % p.group;
   t /= p.group;
-  ti.m_block = p.nq - 1 - t % p.nq;
-  t /= p.nq;
-  ti.b = t % batch;
-  ti.hk = t / batch;
-  ti.h = ti.hk * p.group + h_in_group;
-  ti.q0 = static_cast<int64_t>(ti.m_block) * BM;
-  ti.q_rows = static_cast<int>(p.Sq - ti.q0 < BM ? p.Sq - ti.q0 : BM);
-  return ti;
+  it.g = n_doc_tiles - 1 - t % n_doc_tiles;
+  it.hk = t / n_doc_tiles;
+  it.h = it.hk * p.group + h_in_group;
+  return it;
 }
 
-// First key tile at or after j that the plan does not skip (end: none); its class in c. Called
-// by whole warps (warp_first_unskipped).
+// The walk over a query tile's key tiles: tile i holds keys [kv_lo + i BN, kv_lo + (i + 1) BN),
+// i < n. Lane l keeps the class of tile i0 + l, classified on the summary of exactly its keys
+// (key_windows): one load per lane classifies 32 tiles.
+struct KeyWalk {
+  int i0, cls;
+};
+
+// The first tile at or after i that is not skipped (n: none), its class in c. Called by whole
+// warps; returns the same values to all lanes.
 template <int BN>
-__forceinline__ __device__ int fwd_next_tile(const FwdParams& p, TileSummary qsum, const TileSummary* kv_sum,
-                                             int end, int j, int& c) {
-  return warp_first_unskipped(
-      j, end, [&](int t) { return tile_class(qsum, kv_sum[t], p.mask, static_cast<int64_t>(t + 1) * BN > p.Skv); }, c);
+__forceinline__ __device__ int fwd_next_key_tile(const FwdParams& p, const DocTile& dt, const TileSummary* windows,
+                                                 int n, KeyWalk& w, int i, int& c) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  while (i < n) {
+    if (i < w.i0 || i >= w.i0 + 32) {
+      w.i0 = i;
+      const int tile = i + lane;
+      const int k0 = dt.kv_lo + tile * BN;
+      w.cls = tile < n ? tile_class(dt.sum, windows[k0], p.mask, k0 + BN > p.Skv) : kSkip;
+    }
+    const unsigned hit = __ballot_sync(0xffffffffu, w.cls != kSkip) & (0xffffffffu << (i - w.i0));
+    if (hit != 0u) {
+      const int src = __ffs(hit) - 1;
+      c = __shfl_sync(0xffffffffu, w.cls, src);
+      return w.i0 + src;
+    }
+    i = w.i0 + 32;
+  }
+  return n;
 }
 
 template <class KT>
@@ -177,55 +195,65 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
     Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
     auto write = cutlass::make_producer_start_state<Pipeline>();
+    const int n_doc_tiles = *p.doc_total;
+    const int n_items = n_doc_tiles * p.Hq;
     int t = blockIdx.x;
     for (int n = 0;; ++n) {
-      const bool live = t < P.n_tiles;
+      const bool live = t < n_items;
       int t_next = 0;  // taken now, used after this tile: the atomic's latency stays hidden
       if (live && lane == 0) t_next = atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
-      FwdTile ti{};
-      TileRange range = make_int2(0, 0);
-      TileSummary qsum{};
-      int c = kSkip, j = 0;
-      const TileSummary* kv_sum = p.kv_sum;
+      FwdItem it{};
+      DocTile dt{};
+      // The key tile to load (i, class c) and the one after it (i_next, c_next), of n_keys.
+      int n_keys = 0, i = 0, c = kSkip, i_next = 0, c_next = kSkip;
+      KeyWalk walk{-64, kSkip};
+      const int32_t *kv_seg = p.kv_seg, *kv_pos = p.kv_pos;
+      const TileSummary* windows = p.key_windows;
       if (live) {
-        ti = fwd_tile<BM>(p, P.batch, t);
-        const int64_t qt = static_cast<int64_t>(ti.b) * p.nq + ti.m_block;
-        range = p.q_range[qt];
-        qsum = p.q_sum[qt];
-        kv_sum += static_cast<int64_t>(ti.b) * p.nkv;
-        j = fwd_next_tile<BN>(p, qsum, kv_sum, range.y, range.x, c);
+        it = fwd_item(p, n_doc_tiles, t);
+        dt = p.doc_tiles[it.g];
+        kv_seg += static_cast<int64_t>(dt.b) * p.Skv;
+        kv_pos += static_cast<int64_t>(dt.b) * p.Skv;
+        windows += static_cast<int64_t>(dt.b) * p.Skv;
+        n_keys = (dt.kv_hi - dt.kv_lo + BN - 1) / BN;
+        i = fwd_next_key_tile<BN>(p, dt, windows, n_keys, walk, 0, c);
+        if (i < n_keys) i_next = fwd_next_key_tile<BN>(p, dt, windows, n_keys, walk, i + 1, c_next);
       }
       if (n > 0) mbar_wait(&ss.q_empty, (n - 1) & 1);
-      const bool work = live && j < range.y;
+      const bool work = live && i < n_keys;
       if (work) {
-        const int64_t row0 = static_cast<int64_t>(ti.b) * p.Sq + ti.q0;
+        const int64_t row0 = static_cast<int64_t>(dt.b) * p.Sq + dt.q0;
         CUTE_UNROLL
         for (int r = lane; r < BM; r += 32) {
-          const bool valid = r < ti.q_rows;
+          const bool valid = r < dt.rows;
           cp_async_i32(&ss.rows[r].seg, p.q_seg + row0 + (valid ? r : 0), valid);
           cp_async_i32(&ss.rows[r].pos, p.q_pos + row0 + (valid ? r : 0), valid);
         }
       }
       cp_async_arrive(&ss.info_full);
       if (lane == 0) {
-        ss.info = typename KT::TileInfo{live ? t : -1, j, range.y};
+        ss.info = typename KT::TileInfo{live ? dt.b : -1, it.h, dt.q0, dt.rows, work ? 1 : 0};
         mbar_arrive(&ss.info_full);
       }
       if (!live) break;
       if (work) {
-        const int32_t* kv_seg = p.kv_seg + static_cast<int64_t>(ti.b) * p.Skv;
-        const int32_t* kv_pos = p.kv_pos + static_cast<int64_t>(ti.b) * p.Skv;
-        Tensor gQ = local_tile(mQ(_, _, ti.h, ti.b), Shape<Int<BM>, Int<D>>{}, make_coord(ti.m_block, _0{}));
+        // Q from row q0 and K/V tiles from key kv_lo: TMA reads at any row and fills rows past
+        // the sequence end with zeros.
+        Tensor gQ = local_tile(domain_offset(make_coord(dt.q0, _0{}), mQ(_, _, it.h, dt.b)), Shape<Int<BM>, Int<D>>{},
+                               make_coord(_0{}, _0{}));
         auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        Tensor gK = local_tile(mK(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+        Tensor gK = local_tile(domain_offset(make_coord(dt.kv_lo, _0{}), mK(_, _, it.hk, dt.b)),
+                               Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
         auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-        Tensor gV = local_tile(mV(_, _, ti.hk, ti.b), Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+        Tensor gV = local_tile(domain_offset(make_coord(dt.kv_lo, _0{}), mV(_, _, it.hk, dt.b)),
+                               Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
         auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
         if (lane == 0) {
           TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
           copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
         }
-        while (j < range.y) {
+        while (i < n_keys) {
+          const int j = i;
           if (lane == 0) {
             pipe_k.producer_acquire(write);
             copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
@@ -237,22 +265,23 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             ColMask* cols = ss.cols[write.index()];
             CUTE_UNROLL
             for (int col = lane; col < BN; col += 32) {
-              const int64_t tok = static_cast<int64_t>(j) * BN + col;
+              const int tok = dt.kv_lo + i * BN + col;
               const bool valid = tok < p.Skv;  // past the end: seg 0, which no live row matches
               cp_async_i32(&cols[col].seg, kv_seg + (valid ? tok : 0), valid);
               cp_async_i32(&cols[col].pos, kv_pos + (valid ? tok : 0), valid);
             }
           }
           cp_async_arrive(&ss.cols_full[write.index()]);  // every tile, so the phases follow the stages
-          int c_next = kSkip;
-          const int j_next = fwd_next_tile<BN>(p, qsum, kv_sum, range.y, j + 1, c_next);
           if (lane == 0) {
-            ss.stage_info[write.index()] = typename KT::StageInfo{c, j_next < range.y};
+            ss.stage_info[write.index()] = typename KT::StageInfo{c, i_next < n_keys};
             mbar_arrive(&ss.cols_full[write.index()]);
           }
           ++write;
-          j = j_next;
+          // Classified a tile ahead: a load of the walk's summaries overlaps the wait for a free
+          // stage instead of delaying the stage info the consumers' softmax waits for.
+          i = i_next;
           c = c_next;
+          if (i < n_keys) i_next = fwd_next_key_tile<BN>(p, dt, windows, n_keys, walk, i + 1, c_next);
         }
       }
       t = __shfl_sync(0xffffffffu, t_next, 0);
@@ -281,10 +310,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   int q_loads = 0;  // Q tiles loaded so far: the phase of q_full
   for (int n = 0;; ++n) {
     mbar_wait(&ss.info_full, n & 1);
-    const int t = ss.info.t;
-    if (t < 0) break;
-    const bool empty = ss.info.j >= ss.info.end;
-    const FwdTile ti = fwd_tile<BM>(p, P.batch, t);
+    const typename KT::TileInfo ti = ss.info;
+    if (ti.b < 0) break;
+    const bool empty = ti.work == 0;
     // Per-thread fragments and coordinates, rebuilt for every tile (see opaque_thread_index).
     const int tidx = opaque_thread_index() - 128, t_wg = tidx % 128;
     auto thr_s = mma_s.get_thread_slice(tidx);
@@ -304,16 +332,17 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     constexpr int kRows = decltype(size<0>(tScS_rc))::value;
     constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
+    const int q_rows = ti.rows;
     Element* out_ptr = static_cast<Element*>(p.out) +
                        (static_cast<int64_t>(ti.b) * p.Sq + ti.q0) * p.q_row + static_cast<int64_t>(ti.h) * D;
     float* lse_ptr = p.lse + (static_cast<int64_t>(ti.b) * p.Hq + ti.h) * p.Sq + ti.q0;
     if (empty) {  // no allowed key for any row of this tile: out 0, lse -inf
       mbar_arrive(&ss.q_empty);
-      for (int idx = tidx; idx < ti.q_rows * (D / 8); idx += KT::kConsumerThreads) {
+      for (int idx = tidx; idx < q_rows * (D / 8); idx += KT::kConsumerThreads) {
         const int r = idx / (D / 8), col = (idx % (D / 8)) * 8;
         *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = make_uint4(0, 0, 0, 0);
       }
-      for (int r = tidx; r < ti.q_rows; r += KT::kConsumerThreads) lse_ptr[r] = -INFINITY;
+      for (int r = tidx; r < q_rows; r += KT::kConsumerThreads) lse_ptr[r] = -INFINITY;
       continue;
     }
     RowMask rm[kRows];
@@ -322,7 +351,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     for (int mi = 0; mi < kRows; ++mi) {
       const int r = get<0>(tScS_rc(mi, 0));
       const ColMask id = ss.rows[r];
-      rm[mi] = make_row_mask(r < ti.q_rows, id.seg, id.pos, p.mask);
+      rm[mi] = make_row_mask(r < q_rows, id.seg, id.pos, p.mask);
       row_max[mi] = -INFINITY;
       row_sum[mi] = 0.f;
     }
@@ -412,7 +441,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       const bool any = sum > 0.f;
       const float inv = any ? 1.f / sum : 0.f;
       const int r = get<0>(tScS_rc(mi, 0));
-      if (get<1>(tScS_rc(0, 0)) == 0 && r < ti.q_rows)
+      if (get<1>(tScS_rc(0, 0)) == 0 && r < q_rows)
         lse_ptr[r] = any ? (row_max[mi] + __log2f(sum)) * kLn2 : -INFINITY;
       CUTE_UNROLL
       for (int di = 0; di < size<1>(acc_o_rc); ++di) acc_o_rc(mi, di) *= inv;
@@ -426,7 +455,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sO
     for (int idx = t_wg; idx < 64 * (D / 8); idx += 128) {
       const int r = wg * 64 + idx / (D / 8), col = (idx % (D / 8)) * 8;
-      if (r < ti.q_rows)
+      if (r < q_rows)
         *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = lds_128(&sO(r, col));
     }
     if constexpr (!KT::kSeparateO) mbar_arrive(&ss.q_empty);
@@ -454,9 +483,9 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
   static unsigned smem_done = 0;
   cudaError_t err = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), KT::kSmemBytes, &smem_done);
   if (err != cudaSuccess) return err;
+  // At most this many work items (p.nq: tile slots per row); the kernel reads the real count.
   const int64_t tiles = batch * p.nq * p.Hq;
   if (tiles > INT_MAX - (1 << 20)) return cudaErrorInvalidValue;  // the counter runs past the last tile
-  P.n_tiles = static_cast<int>(tiles);
   err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
   if (err != cudaSuccess) return err;
   const int64_t sms = multiprocessor_count();

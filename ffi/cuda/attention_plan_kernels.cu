@@ -3,7 +3,7 @@
 // allowed area (work ~ allowed pairs, not S^2) for any document mix and token order.
 #include <climits>
 
-#include "attention_device.cuh"
+#include "attention_plan.cuh"
 
 namespace jaxcp::cuda {
 namespace {
@@ -24,56 +24,33 @@ __global__ void __launch_bounds__(kSummaryThreads) tile_summary_kernel(
     pmin = min(pmin, p);
     pmax = max(pmax, p);
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    smin = min(smin, __shfl_xor_sync(0xffffffffu, smin, o));
-    smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, o));
-    pmin = min(pmin, __shfl_xor_sync(0xffffffffu, pmin, o));
-    pmax = max(pmax, __shfl_xor_sync(0xffffffffu, pmax, o));
-  }
-  __shared__ int4 red[kSummaryThreads / 32];
+  TileSummary sum = detail::warp_merge_summary(TileSummary{smin, smax, pmin, pmax});
+  __shared__ TileSummary red[kSummaryThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) red[warp] = make_int4(smin, smax, pmin, pmax);
+  if (lane == 0) red[warp] = sum;
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 1; w < kSummaryThreads / 32; ++w) {
-      smin = min(smin, red[w].x);
-      smax = max(smax, red[w].y);
-      pmin = min(pmin, red[w].z);
-      pmax = max(pmax, red[w].w);
+      sum.seg_min = min(sum.seg_min, red[w].seg_min);
+      sum.seg_max = max(sum.seg_max, red[w].seg_max);
+      sum.pos_min = min(sum.pos_min, red[w].pos_min);
+      sum.pos_max = max(sum.pos_max, red[w].pos_max);
     }
-    out[b * n_tiles + t] = TileSummary{smin, smax, pmin, pmax};
+    out[b * n_tiles + t] = sum;
   }
 }
 
 constexpr int kRangeWarps = 4;
 constexpr int kMaxTrimmed = 4;  // tiles with no allowed pair dropped from each end of a range, at most
 
-// Whether any (query, key) pair of query tile qt and key tile kt (batch row b) is allowed,
-// decided by the whole warp over every pair: each lane takes up to 4 keys and runs through the
-// query rows. Summaries can keep a tile with none, e.g. the tile at a document's start (which
-// also holds the end of the previous document) seen from a query tile a window further on.
+// Whether any (query, key) pair of query tile qt and key tile kt (batch row b) is allowed
+// (allowed_key_span).
 __device__ bool tiles_interact(const TileTokens& q, int64_t qt, const TileTokens& kv, int64_t kt,
                                int64_t b, const MaskParams& m) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t q0 = qt * q.tile, k0 = kt * kv.tile;
-  const int nq = static_cast<int>(min(static_cast<int64_t>(q.tile), q.len - q0));
-  const int nk = static_cast<int>(min(static_cast<int64_t>(kv.tile), kv.len - k0));
-  ColMask cm[kMaxTileTokens / 32];
-  CUTE_UNROLL
-  for (int i = 0; i < kMaxTileTokens / 32; ++i) {
-    const int k = lane + 32 * i;
-    const bool valid = k < nk;
-    const int64_t idx = b * kv.len + k0 + (valid ? k : 0);
-    cm[i] = make_col_mask(valid, kv.seg[idx], kv.pos[idx]);
-  }
-  bool any = false;
-  for (int r = 0; r < nq && !any; ++r) {
-    const int64_t idx = b * q.len + q0 + r;
-    const RowMask rm = make_row_mask(true, q.seg[idx], q.pos[idx], m);
-    CUTE_UNROLL
-    for (int i = 0; i < kMaxTileTokens / 32; ++i) any |= allowed(rm, cm[i]);
-  }
-  return __any_sync(0xffffffffu, any);
+  const int64_t q0 = b * q.len + qt * q.tile, k0 = b * kv.len + kt * kv.tile;
+  const int nq = static_cast<int>(min(static_cast<int64_t>(q.tile), q.len - qt * q.tile));
+  const int nk = static_cast<int>(min(static_cast<int64_t>(kv.tile), kv.len - kt * kv.tile));
+  return detail::allowed_key_span(q.seg + q0, q.pos + q0, nq, kv.seg + k0, kv.pos + k0, nk, m).x != INT_MAX;
 }
 
 // One warp per row tile scans all column tiles. With a window or chunks, the ends of the range

@@ -1,0 +1,283 @@
+// Document-aligned query tiles for the sm_90a forward. Fixed 128-row tiles cut through
+// documents: a tile that starts inside a document shares its first key tiles with the previous
+// document's end and crosses the causal diagonal of two key tiles, so short documents cost up
+// to 1.6x their allowed area (tools/doc_alignment_probe.py). Here a query tile starts at every
+// start of a run of one segment id that is at least kAnchorRun tokens long ("anchor"), and
+// every 128 rows after it until the next anchor; shorter runs ride along in the tiles of the
+// run before them. For each such tile the plan gives its summary and the exact span
+// [kv_lo, kv_hi) of keys that any of its rows may attend: the kernel walks key tiles of its
+// block N from kv_lo, so a tile of a document's rows meets key tiles that start where the
+// document starts, as with per-document (cu_seqlens) tiling.
+//
+// Kernels, in stream order: key windows (the summary of the block N keys from every key, so
+// that the kernel classifies a key tile starting anywhere with one load), anchor bits (one bit
+// per token), tile starts (one block per batch row, block-wide scans over the bit words), row
+// offsets (one block), per-tile plan (one warp per tile slot).
+#include <cub/block/block_scan.cuh>
+
+#include <climits>
+
+#include "attention_plan.cuh"
+
+namespace jaxcp::cuda {
+namespace {
+
+constexpr int kAnchorRun = 64;  // shortest run of one segment id that starts tiles of its own
+constexpr int kBitsThreads = 256;
+constexpr int kStartThreads = 512;
+constexpr int kOffsetThreads = 1024;
+constexpr int kPlanWarps = 4;
+constexpr int kMaxProbed = 4;  // key tiles probed pair by pair from each end of a tile's range
+
+struct MergeSummaries {
+  __device__ TileSummary operator()(const TileSummary& a, const TileSummary& b) const {
+    return TileSummary{min(a.seg_min, b.seg_min), max(a.seg_max, b.seg_max), min(a.pos_min, b.pos_min),
+                       max(a.pos_max, b.pos_max)};
+  }
+};
+
+// windows[b][x] = summary of keys [x, min(x + window, len)), for every x: block c (window
+// threads) takes keys [c w, (c + 1) w) and the next w; each window is a suffix of the first part
+// (a reverse scan) merged with a prefix of the second (a forward scan).
+template <int kWindow>
+__global__ void __launch_bounds__(kWindow) key_window_kernel(const int32_t* __restrict__ seg,
+                                                             const int32_t* __restrict__ pos, int64_t len,
+                                                             TileSummary* __restrict__ windows) {
+  using Scan = cub::BlockScan<TileSummary, kWindow>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ TileSummary prefix[kWindow];
+  const int t = threadIdx.x;
+  const int64_t b = blockIdx.y, x = static_cast<int64_t>(blockIdx.x) * kWindow + t;
+  const TileSummary none{INT_MAX, INT_MIN, INT_MAX, INT_MIN};
+  auto token = [&](int64_t i) {
+    return i < len ? TileSummary{seg[b * len + i], seg[b * len + i], pos[b * len + i], pos[b * len + i]} : none;
+  };
+  // Suffixes of this block's keys: thread t scans key (block end - 1 - t), so its inclusive scan
+  // is the suffix from that key.
+  TileSummary suffix;
+  Scan(scan_tmp).InclusiveScan(token(static_cast<int64_t>(blockIdx.x) * kWindow + kWindow - 1 - t), suffix,
+                               MergeSummaries{});
+  __syncthreads();
+  TileSummary pre;
+  Scan(scan_tmp).ExclusiveScan(token(static_cast<int64_t>(blockIdx.x + 1) * kWindow + t), pre, none,
+                               MergeSummaries{});
+  prefix[t] = pre;  // keys [(c + 1) w, (c + 1) w + t)
+  __syncthreads();
+  __shared__ TileSummary suffixes[kWindow];
+  suffixes[kWindow - 1 - t] = suffix;  // keys [c w + (w - 1 - t), (c + 1) w)
+  __syncthreads();
+  if (x < len) windows[b * len + x] = MergeSummaries{}(suffixes[t], prefix[t]);
+}
+
+// bits[b][w] bit i: token 32 w + i starts a run of kAnchorRun tokens of one segment id.
+// (Checking the run's last token is enough for packed documents, which never reuse a segment id
+// inside kAnchorRun tokens; any other input only gets different tiles, never wrong results.)
+__global__ void __launch_bounds__(kBitsThreads) anchor_bits_kernel(const int32_t* __restrict__ seg, int64_t len,
+                                                                 int64_t words, uint32_t* __restrict__ bits) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kBitsThreads + threadIdx.x, b = blockIdx.y;
+  const int32_t* s = seg + b * len;
+  bool anchor = false;
+  if (i < len) {
+    anchor = i == 0 || (s[i] != s[i - 1] && i + kAnchorRun - 1 < len && s[i + kAnchorRun - 1] == s[i]);
+  }
+  const unsigned word = __ballot_sync(0xffffffffu, anchor);
+  if (threadIdx.x % 32 == 0 && i < words * 32) bits[b * words + i / 32] = word;
+}
+
+// Calls emit(x) for the tile starts among tokens [lo, hi) of a stretch whose last anchor is cur
+// (< lo): the tokens cur + kFwdBlockM k.
+template <class Emit>
+__device__ void stretch_starts(int64_t lo, int64_t hi, int64_t cur, Emit&& emit) {
+  for (int64_t x = cur + ((lo - cur + kFwdBlockM - 1) / kFwdBlockM) * kFwdBlockM; x < hi; x += kFwdBlockM) emit(x);
+}
+
+// The tile starts of one batch row in increasing order: starts[b][0, counts[b]). A token
+// starts a tile iff it is an anchor or lies a multiple of kFwdBlockM after the last anchor
+// before it, so each thread needs only that anchor (a max-scan over the words) and its output
+// index (a sum-scan). Rows whose starts would not fit `capacity` (only inputs that reuse segment
+// ids inside kAnchorRun tokens), and every row when fixed_grid, get the fixed grid.
+__global__ void __launch_bounds__(kStartThreads) doc_tile_starts_kernel(const uint32_t* __restrict__ bits,
+                                                                        int64_t len, int64_t words, int capacity,
+                                                                        bool fixed_grid, int* __restrict__ starts,
+                                                                        int* __restrict__ counts) {
+  using Scan = cub::BlockScan<int64_t, kStartThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  const int64_t b = blockIdx.x;
+  int* out = starts + b * capacity;
+  int64_t total = 0;
+  if (!fixed_grid) {
+    int64_t anchor_carry = 0;
+    for (int64_t w0 = 0; w0 < words; w0 += kStartThreads) {
+      const int64_t w = w0 + threadIdx.x, base = 32 * w, end = min(base + 32, len);
+      const uint32_t m = w < words ? bits[b * words + w] : 0u;
+      int64_t cur = 0, last = m ? base + 31 - __clz(static_cast<int>(m)) : -1, agg = 0;
+      Scan(scan_tmp).ExclusiveScan(last, cur, anchor_carry, [](int64_t x, int64_t y) { return max(x, y); }, agg);
+      __syncthreads();
+      anchor_carry = max(anchor_carry, agg);
+      // The word's starts: stretches between its anchors. Walked twice: count, then write.
+      auto walk = [&](auto&& emit) {
+        int64_t lo = base, a = cur;
+        for (uint32_t rest = m; rest != 0u; rest &= rest - 1u) {
+          const int64_t x = base + __ffs(static_cast<int>(rest)) - 1;
+          stretch_starts(lo, x, a, emit);
+          emit(x);
+          a = x;
+          lo = x + 1;
+        }
+        stretch_starts(lo, end, a, emit);
+      };
+      int64_t n = 0, idx = 0;
+      walk([&](int64_t) { ++n; });
+      Scan(scan_tmp).ExclusiveSum(n, idx, agg);
+      __syncthreads();
+      idx += total;
+      total += agg;
+      walk([&](int64_t x) {
+        if (idx < capacity) out[idx] = static_cast<int>(x);
+        ++idx;
+      });
+    }
+  }
+  if (fixed_grid || total > capacity) {
+    __syncthreads();  // the walks' writes come first
+    total = (len + kFwdBlockM - 1) / kFwdBlockM;  // <= capacity
+    for (int64_t i = threadIdx.x; i < total; i += kStartThreads) out[i] = static_cast<int>(i * kFwdBlockM);
+  }
+  if (threadIdx.x == 0) counts[b] = static_cast<int>(total);
+}
+
+// offsets[b] = tiles of the rows before b; *total = tiles of all rows.
+__global__ void __launch_bounds__(kOffsetThreads) doc_tile_offsets_kernel(const int* __restrict__ counts,
+                                                                          int64_t batch, int* __restrict__ offsets,
+                                                                          int* __restrict__ total) {
+  using Scan = cub::BlockScan<int, kOffsetThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  int carry = 0;
+  for (int64_t b0 = 0; b0 < batch; b0 += kOffsetThreads) {
+    const int64_t b = b0 + threadIdx.x;
+    int excl = 0, agg = 0;
+    Scan(scan_tmp).ExclusiveSum(b < batch ? counts[b] : 0, excl, agg);
+    __syncthreads();
+    if (b < batch) offsets[b] = carry + excl;
+    carry += agg;
+  }
+  if (threadIdx.x == 0) *total = carry;
+}
+
+// One warp per tile slot (b, i): the tile's rows, summary and key span. The span starts from
+// the range of key tiles (of block_n keys) that the summaries do not skip and is then narrowed
+// on the tokens to the first and last key some row may attend (at most kMaxProbed tiles from
+// each end; beyond that the span keeps the tile's edge, which is never wrong).
+__global__ void __launch_bounds__(kPlanWarps * 32) doc_tile_plan_kernel(
+    const int* __restrict__ starts, const int* __restrict__ counts, const int* __restrict__ offsets, int capacity,
+    TileTokens q, const TileSummary* __restrict__ kv_sum, int64_t n_kv_tiles, TileTokens kv, MaskParams mask,
+    DocTile* __restrict__ tiles) {
+  const int lane = threadIdx.x % 32;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kPlanWarps + threadIdx.x / 32, b = blockIdx.y;
+  const int count = counts[b];
+  if (i >= count) return;
+  const int* row_starts = starts + b * capacity;
+  const int q0 = row_starts[i];
+  const int q1 = i + 1 < count ? row_starts[i + 1] : static_cast<int>(q.len);
+  const int rows = q1 - q0;
+  const int32_t* q_seg = q.seg + b * q.len + q0;
+  const int32_t* q_pos = q.pos + b * q.len + q0;
+  TileSummary mine{INT_MAX, INT_MIN, INT_MAX, INT_MIN};
+  for (int r = lane; r < rows; r += 32) {
+    mine.seg_min = min(mine.seg_min, q_seg[r]);
+    mine.seg_max = max(mine.seg_max, q_seg[r]);
+    mine.pos_min = min(mine.pos_min, q_pos[r]);
+    mine.pos_max = max(mine.pos_max, q_pos[r]);
+  }
+  const TileSummary qsum = detail::warp_merge_summary(mine);
+
+  const TileSummary* row_kv = kv_sum + b * n_kv_tiles;
+  auto class_of = [&](int c) { return static_cast<int>(classify_tiles(qsum, row_kv[c], mask)); };
+  int first = INT_MAX, last = -1;
+  for (int64_t c = lane; c < n_kv_tiles; c += 32) {
+    if (class_of(static_cast<int>(c)) != detail::kSkip) {
+      first = min(first, static_cast<int>(c));
+      last = max(last, static_cast<int>(c));
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+  }
+  auto span_of = [&](int c) {
+    const int64_t k0 = static_cast<int64_t>(c) * kv.tile;
+    const int nk = static_cast<int>(min(static_cast<int64_t>(kv.tile), kv.len - k0));
+    const int64_t at = b * kv.len + k0;
+    return detail::allowed_key_span(q_seg, q_pos, rows, kv.seg + at, kv.pos + at, nk, mask);
+  };
+  // The first key: probe from the front; c ends on the first tile not known to have none.
+  int64_t kv_lo = 0, kv_hi = 0;
+  int c = first <= last ? first : INT_MAX, unused;
+  bool found = false;
+  for (int t = 0; t < kMaxProbed && c <= last && !found; ++t) {
+    const int2 s = span_of(c);
+    found = s.x != INT_MAX;
+    if (found) kv_lo = static_cast<int64_t>(c) * kv.tile + s.x;
+    else c = detail::warp_first_unskipped(c + 1, last + 1, class_of, unused);
+  }
+  if (c <= last) {
+    if (!found) kv_lo = static_cast<int64_t>(c) * kv.tile;
+    // The last key: probe from the back, down to c at most.
+    int e = last;
+    found = false;
+    for (int t = 0; t < kMaxProbed && e >= c && !found; ++t) {
+      const int2 s = span_of(e);
+      found = s.y >= 0;
+      if (found) kv_hi = static_cast<int64_t>(e) * kv.tile + s.y + 1;
+      else e = detail::warp_last_unskipped(e - 1, c, class_of);
+    }
+    if (!found) kv_hi = e >= c ? min(static_cast<int64_t>(e + 1) * kv.tile, kv.len) : 0;
+    if (kv_lo >= kv_hi) kv_lo = kv_hi = 0;
+  }
+  if (lane == 0)
+    tiles[offsets[b] + i] = DocTile{static_cast<int>(b), q0, rows, static_cast<int>(kv_lo),
+                                    static_cast<int>(kv_hi), {0, 0, 0}, qsum};
+}
+
+}  // namespace
+
+int doc_tile_capacity(int64_t len) {
+  return static_cast<int>(ceil_div64(len, kFwdBlockM) + ceil_div64(len, kAnchorRun) + 1);
+}
+
+cudaError_t launch_doc_tile_plan(const TileTokens& q, const TileSummary* kv_sum, int64_t n_kv_tiles,
+                                 const TileTokens& kv, int64_t batch, const MaskParams& mask, bool fixed_grid,
+                                 const DocTileWorkspace& ws, cudaStream_t stream) {
+  if (batch == 0 || q.len == 0) return cudaSuccess;
+  if (batch > 65535 || q.len > INT_MAX - 2 * kFwdBlockM || kv.len > INT_MAX - 2 * kMaxTileTokens ||
+      (kv.tile != 64 && kv.tile != 128))
+    return cudaErrorInvalidValue;
+  const int64_t words = ceil_div64(q.len, 32);
+  const int capacity = doc_tile_capacity(q.len);
+  cudaError_t err;
+  if (kv.len > 0) {
+    const dim3 grid(static_cast<unsigned>(n_kv_tiles), static_cast<unsigned>(batch));
+    if (kv.tile == 128) key_window_kernel<128><<<grid, 128, 0, stream>>>(kv.seg, kv.pos, kv.len, ws.key_windows);
+    else key_window_kernel<64><<<grid, 64, 0, stream>>>(kv.seg, kv.pos, kv.len, ws.key_windows);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if (!fixed_grid) {
+    const int64_t blocks = ceil_div64(q.len, kBitsThreads);
+    if (blocks > INT_MAX) return cudaErrorInvalidValue;
+    anchor_bits_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)), kBitsThreads, 0,
+                         stream>>>(q.seg, q.len, words, ws.anchor_bits);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  doc_tile_starts_kernel<<<static_cast<unsigned>(batch), kStartThreads, 0, stream>>>(
+      ws.anchor_bits, q.len, words, capacity, fixed_grid, ws.starts, ws.counts);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  doc_tile_offsets_kernel<<<1, kOffsetThreads, 0, stream>>>(ws.counts, batch, ws.offsets, ws.total);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  const int64_t blocks = ceil_div64(capacity, kPlanWarps);
+  doc_tile_plan_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)), kPlanWarps * 32, 0,
+                         stream>>>(ws.starts, ws.counts, ws.offsets, capacity, q, kv_sum, n_kv_tiles, kv, mask,
+                                   ws.tiles);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxcp::cuda

@@ -1,0 +1,61 @@
+// Device helpers shared by the tile-plan kernels (attention_plan_kernels.cu,
+// attention_doc_tiles_kernels.cu); private to ffi/cuda/*.cu.
+#pragma once
+#include <climits>
+
+#include "attention_device.cuh"
+
+namespace jaxcp::cuda::detail {
+
+// Which keys of a block of nk (<= kMaxTileTokens) keys some query row of a block of nq rows may
+// attend, decided by the whole warp over every pair: lane l takes keys l, l + 32, l + 64,
+// l + 96 and runs through the rows. The pointers address the blocks' first tokens. Returns the
+// first and last such key (offsets into the key block), {INT_MAX, -1} when there is none.
+// Summaries cannot tell this: they keep a block with no allowed pair, e.g. the block at a
+// document's start (which also holds the end of the previous document) seen from a query
+// block a window further on.
+__device__ inline int2 allowed_key_span(const int32_t* q_seg, const int32_t* q_pos, int nq,
+                                        const int32_t* k_seg, const int32_t* k_pos, int nk,
+                                        const MaskParams& m) {
+  constexpr int kPerLane = kMaxTileTokens / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  ColMask cm[kPerLane];
+  bool any[kPerLane];
+  CUTE_UNROLL
+  for (int i = 0; i < kPerLane; ++i) {
+    const int k = lane + 32 * i;
+    const bool valid = k < nk;
+    cm[i] = make_col_mask(valid, k_seg[valid ? k : 0], k_pos[valid ? k : 0]);
+    any[i] = false;
+  }
+  for (int r = 0; r < nq; ++r) {
+    const RowMask rm = make_row_mask(true, q_seg[r], q_pos[r], m);
+    CUTE_UNROLL
+    for (int i = 0; i < kPerLane; ++i) any[i] |= allowed(rm, cm[i]);
+  }
+  int2 span = make_int2(INT_MAX, -1);
+  CUTE_UNROLL
+  for (int i = kPerLane - 1; i >= 0; --i) {
+    const unsigned hit = __ballot_sync(0xffffffffu, any[i]);
+    if (hit != 0u) span.x = 32 * i + __ffs(hit) - 1;
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < kPerLane; ++i) {
+    const unsigned hit = __ballot_sync(0xffffffffu, any[i]);
+    if (hit != 0u) span.y = 32 * i + 31 - __clz(hit);
+  }
+  return span;
+}
+
+// Min / max of a TileSummary's four fields over the warp (every lane gets the result).
+__device__ inline TileSummary warp_merge_summary(TileSummary s) {
+  for (int o = 16; o > 0; o >>= 1) {
+    s.seg_min = min(s.seg_min, __shfl_xor_sync(0xffffffffu, s.seg_min, o));
+    s.seg_max = max(s.seg_max, __shfl_xor_sync(0xffffffffu, s.seg_max, o));
+    s.pos_min = min(s.pos_min, __shfl_xor_sync(0xffffffffu, s.pos_min, o));
+    s.pos_max = max(s.pos_max, __shfl_xor_sync(0xffffffffu, s.pos_max, o));
+  }
+  return s;
+}
+
+}  // namespace jaxcp::cuda::detail
