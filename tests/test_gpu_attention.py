@@ -32,13 +32,18 @@ def _qkv(seed, b, sq, skv, hq, hkv, d, dtype):
 
 
 def _compare(q, k, v, do, dtype, **kw):
-  def run(impl):
-    f = lambda q, k, v: jaxcp.attention(q, k, v, implementation=impl, return_residual=True, **kw)
+  # Segment ids and positions go in as jit arguments: as closure constants XLA would fold the
+  # reference's whole mask at compile time (about a minute at S = 1900).
+  arrays = {n: jnp.asarray(x) for n, x in kw.items() if isinstance(x, (np.ndarray, jax.Array))}
+  static = {n: x for n, x in kw.items() if n not in arrays}
+
+  def run(impl, q, k, v, arrays):
+    f = lambda q, k, v: jaxcp.attention(q, k, v, implementation=impl, return_residual=True, **arrays, **static)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return out, lse, vjp((do, jnp.zeros_like(lse)))
 
-  out, lse, grads = jax.jit(lambda q, k, v: run("cuda"))(q, k, v)
-  ref_out, ref_lse, ref_grads = jax.jit(lambda q, k, v: run("xla"))(q, k, v)
+  out, lse, grads = jax.jit(lambda *a: run("cuda", *a))(q, k, v, arrays)
+  ref_out, ref_lse, ref_grads = jax.jit(lambda *a: run("xla", *a))(q, k, v, arrays)
   tol = TOL[dtype]
   assert not np.isnan(np.asarray(out, np.float32)).any()
   assert rel_err(out, ref_out) < tol
@@ -148,3 +153,57 @@ def test_explicit_scales(scale, monkeypatch):
   seg = random_segments(rng, 2, 700, mean_doc=150)
   _compare(*_qkv(6, 2, 700, 700, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True,
            scale=scale)
+
+
+def _segments_from_lengths(lengths, s):
+  """One row of consecutive documents of the given lengths (segment ids 1, 2, ...; 0 = padding
+  where a length is given as a negative number), padded with 0 up to s."""
+  seg = np.zeros(s, np.int32)
+  t = 0
+  for i, n in enumerate(lengths):
+    seg[t:t + abs(n)] = i + 1 if n > 0 else 0
+    t += abs(n)
+  return seg
+
+
+DOC_TILE_ROWS = {
+  # lengths around the 64-token anchor rule and the 128-row tile, and padding inside the row
+  "boundaries": [63, 64, 65, 127, 128, 129, 1, 200, -100, 255, 256, 3, 70],
+  # a run of documents shorter than 64 rides in the tiles of the document before it
+  "short_runs": [300, 5, 20, 40, 63, 1, 1, 2, 400, 30, 30, 30, 257],
+  # segment ids reused non-contiguously (1, 2, 1, 2, ...): still one mask document per id
+  "reused_ids": None,
+  # every token starts a run that looks 64 long (id = i mod 63): more starts than tile slots,
+  # so the row falls back to the fixed grid
+  "capacity_fallback": None,
+}
+
+
+@pytest.mark.parametrize("row", list(DOC_TILE_ROWS))
+@pytest.mark.parametrize("mask", ["causal", "window", "causal_chunk", "full"])
+def test_document_tiles(row, mask, monkeypatch):
+  """The sm_90a forward starts query tiles at documents and walks key tiles from each tile's
+  first allowed key (attention_doc_tiles_kernels.cu); rows built to hit its edge cases."""
+  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
+  s = 1900
+  if row == "reused_ids":
+    seg = np.where((np.arange(s) // 70) % 2 == 0, 1, 2).astype(np.int32)
+  elif row == "capacity_fallback":
+    seg = (np.arange(s) % 63 + 1).astype(np.int32)
+  else:
+    seg = _segments_from_lengths(DOC_TILE_ROWS[row], s)
+  seg = np.stack([seg, seg[::-1].copy()])
+  _compare(*_qkv(7, 2, s, s, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])
+
+
+@pytest.mark.parametrize("fixed_tiles", ["0", "1"])
+def test_document_tiles_cross_attention(fixed_tiles, monkeypatch):
+  """Queries and keys with different documents and lengths (Sq != Skv), with document tiles and
+  with 128-row tiles from token 0 (JAXCP_FWD_FIXED_TILES=1)."""
+  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
+  monkeypatch.setenv("JAXCP_FWD_FIXED_TILES", fixed_tiles)
+  rng = np.random.default_rng(8)
+  q_seg = random_segments(rng, 2, 900, mean_doc=120, pad_tail=False)
+  kv_seg = np.sort(rng.integers(1, q_seg.max() + 1, size=(2, 1300)), axis=1).astype(np.int32)
+  _compare(*_qkv(8, 2, 900, 1300, 4, 4, 64, jnp.bfloat16), jnp.bfloat16, segment_ids=q_seg,
+           kv_segment_ids=kv_seg, local_window_size=(500, 40))
