@@ -193,17 +193,8 @@ __global__ void __launch_bounds__(kPlanWarps * 32) doc_tile_plan_kernel(
 
   const TileSummary* row_kv = kv_sum + b * n_kv_tiles;
   auto class_of = [&](int c) { return static_cast<int>(classify_tiles(qsum, row_kv[c], mask)); };
-  int first = INT_MAX, last = -1;
-  for (int64_t c = lane; c < n_kv_tiles; c += 32) {
-    if (class_of(static_cast<int>(c)) != detail::kSkip) {
-      first = min(first, static_cast<int>(c));
-      last = max(last, static_cast<int>(c));
-    }
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-  }
+  const int2 range = detail::warp_unskipped_range(n_kv_tiles, class_of);
+  const int first = range.x, last = range.y;
   auto span_of = [&](int c) {
     const int64_t k0 = static_cast<int64_t>(c) * kv.tile;
     const int nk = static_cast<int>(min(static_cast<int64_t>(kv.tile), kv.len - k0));

@@ -58,4 +58,22 @@ __device__ inline TileSummary warp_merge_summary(TileSummary s) {
   return s;
 }
 
+// The first and last of tiles [0, n) whose class_of(index) is not kSkip ({INT_MAX, -1}: none),
+// the warp's lanes taking every 32nd tile. Every lane gets the result.
+template <class ClassOf>
+__device__ int2 warp_unskipped_range(int64_t n, ClassOf class_of) {
+  int first = INT_MAX, last = -1;
+  for (int64_t c = threadIdx.x % 32; c < n; c += 32) {
+    if (class_of(static_cast<int>(c)) != kSkip) {
+      first = min(first, static_cast<int>(c));
+      last = max(last, static_cast<int>(c));
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+  }
+  return make_int2(first, last);
+}
+
 }  // namespace jaxcp::cuda::detail

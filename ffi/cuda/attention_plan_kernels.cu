@@ -70,17 +70,8 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
     const TileSummary s = cols[b * n_cols + c];
     return static_cast<int>(rows_are_q ? classify_tiles(a, s, mask) : classify_tiles(s, a, mask));
   };
-  int first = INT_MAX, last = -1;
-  for (int64_t c = lane; c < n_cols; c += 32) {
-    if (class_of(static_cast<int>(c)) != detail::kSkip) {
-      first = min(first, static_cast<int>(c));
-      last = max(last, static_cast<int>(c));
-    }
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
-  }
+  const int2 range = detail::warp_unskipped_range(n_cols, class_of);
+  int first = range.x, last = range.y;
   const bool trim = mask.window_left >= 0 || mask.window_right >= 0 || mask.chunk_size > 0;
   if (trim && first <= last) {
     auto interacts = [&](int c) {
