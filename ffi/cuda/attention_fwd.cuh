@@ -22,15 +22,15 @@ struct FwdParams {
   int64_t q_row, kv_row;  // elements between consecutive tokens: Hq*D, Hkv*D
   float scale_log2;
   MaskParams mask;
-  const TileSummary* q_sum;   // [B, nq]: query tiles of kFwdBlockM
+  const TileSummary* q_sum;   // [B, nq]: query tiles of kFwdBlockM (sm_80 kernel)
   const TileSummary* kv_sum;  // [B, nkv]: key tiles of the kernel's block N
-  const TileRange* q_range;   // [B, nq]
+  const TileRange* q_range;   // [B, nq] (sm_80 kernel)
   const int* order;           // [B * nq]: (b * nq + m) tiles, heaviest first (sm_80 kernel)
   int* tile_counter;          // the sm_90a kernel's next-tile counter (zeroed at its launch)
   const DocTile* doc_tiles;   // the sm_90a kernel's query tiles (launch_doc_tile_plan)
   const int* doc_total;       // how many of them
   const TileSummary* key_windows;  // [B, Skv]: keys [x, x + block N) (launch_doc_tile_plan)
-  int nq, nkv;
+  int nq, nkv;                // nq: query tiles per row (sm_90a kernel: tile slots per row)
 };
 
 // Keys per step of the sm_90a kernel (its query tile is kFwdBlockM = 128).

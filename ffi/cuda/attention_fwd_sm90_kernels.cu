@@ -3,9 +3,9 @@
 // (cutlass::PipelineTmaAsync); two consumer warpgroups own 64 query rows each and run
 // S = Q K^T and O += P V on wgmma, with the online softmax in registers (P never leaves them).
 // Query tiles start where documents start (attention_doc_tiles_kernels.cu), and each walks key
-// tiles from the first key any of its rows may attend, classified skip / full / partial on
-// their tokens as it goes: a document's rows meet key tiles aligned to its start, and work
-// follows the allowed area.
+// tiles from the first key any of its rows may attend, classified skip / full / partial as it
+// goes on the summary of exactly each tile's keys: a document's rows meet key tiles aligned to
+// its start, and work follows the allowed area.
 //
 // Persistent: one CTA per multiprocessor takes query tiles from a global counter until none are
 // left. The producer runs a tile ahead: it classifies the next tile's first key tile, copies its
@@ -136,8 +136,11 @@ __forceinline__ __device__ int fwd_next_key_tile(const FwdParams& p, const DocTi
     if (i < w.i0 || i >= w.i0 + 32) {
       w.i0 = i;
       const int tile = i + lane;
-      const int k0 = dt.kv_lo + tile * BN;
-      w.cls = tile < n ? tile_class(dt.sum, windows[k0], p.mask, k0 + BN > p.Skv) : kSkip;
+      w.cls = kSkip;
+      if (tile < n) {
+        const int k0 = dt.kv_lo + tile * BN;
+        w.cls = tile_class(dt.sum, windows[k0], p.mask, k0 + BN > p.Skv);
+      }
     }
     const unsigned hit = __ballot_sync(0xffffffffu, w.cls != kSkip) & (0xffffffffu << (i - w.i0));
     if (hit != 0u) {
@@ -253,12 +256,11 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
         }
         while (i < n_keys) {
-          const int j = i;
           if (lane == 0) {
             pipe_k.producer_acquire(write);
-            copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, j), tKs(_, write.index()));
+            copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, i), tKs(_, write.index()));
             pipe_v.producer_acquire(write);
-            copy(P.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, j), tVs(_, write.index()));
+            copy(P.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, i), tVs(_, write.index()));
           }
           __syncwarp();  // the stage is free (V of its previous tile consumed): its masks may be written
           if (c == kPartial) {
