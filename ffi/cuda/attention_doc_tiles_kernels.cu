@@ -29,28 +29,26 @@ constexpr int kOffsetThreads = 1024;
 constexpr int kPlanWarps = 4;
 constexpr int kMaxProbed = 4;  // key tiles probed pair by pair from each end of a tile's range
 
-struct MergeSummaries {
+struct MergeSummaries {  // merge_summaries as a scan operator
   __device__ TileSummary operator()(const TileSummary& a, const TileSummary& b) const {
-    return TileSummary{min(a.seg_min, b.seg_min), max(a.seg_max, b.seg_max), min(a.pos_min, b.pos_min),
-                       max(a.pos_max, b.pos_max)};
+    return detail::merge_summaries(a, b);
   }
 };
 
 // windows[b][x] = summary of keys [x, min(x + window, len)), for every x: block c (window
 // threads) takes keys [c w, (c + 1) w) and the next w; each window is a suffix of the first part
-// (a reverse scan) merged with a prefix of the second (a forward scan).
+// (a reverse scan) merged with a prefix of the second (a forward scan; thread t's own).
 template <int kWindow>
 __global__ void __launch_bounds__(kWindow) key_window_kernel(const int32_t* __restrict__ seg,
                                                              const int32_t* __restrict__ pos, int64_t len,
                                                              TileSummary* __restrict__ windows) {
   using Scan = cub::BlockScan<TileSummary, kWindow>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ TileSummary prefix[kWindow];
+  __shared__ TileSummary suffixes[kWindow];
   const int t = threadIdx.x;
   const int64_t b = blockIdx.y, x = static_cast<int64_t>(blockIdx.x) * kWindow + t;
-  const TileSummary none{INT_MAX, INT_MIN, INT_MAX, INT_MIN};
   auto token = [&](int64_t i) {
-    return i < len ? TileSummary{seg[b * len + i], seg[b * len + i], pos[b * len + i], pos[b * len + i]} : none;
+    return i < len ? detail::token_summary(seg[b * len + i], pos[b * len + i]) : detail::empty_summary();
   };
   // Suffixes of this block's keys: thread t scans key (block end - 1 - t), so its inclusive scan
   // is the suffix from that key.
@@ -58,15 +56,12 @@ __global__ void __launch_bounds__(kWindow) key_window_kernel(const int32_t* __re
   Scan(scan_tmp).InclusiveScan(token(static_cast<int64_t>(blockIdx.x) * kWindow + kWindow - 1 - t), suffix,
                                MergeSummaries{});
   __syncthreads();
-  TileSummary pre;
-  Scan(scan_tmp).ExclusiveScan(token(static_cast<int64_t>(blockIdx.x + 1) * kWindow + t), pre, none,
-                               MergeSummaries{});
-  prefix[t] = pre;  // keys [(c + 1) w, (c + 1) w + t)
-  __syncthreads();
-  __shared__ TileSummary suffixes[kWindow];
   suffixes[kWindow - 1 - t] = suffix;  // keys [c w + (w - 1 - t), (c + 1) w)
+  TileSummary prefix;                  // keys [(c + 1) w, (c + 1) w + t)
+  Scan(scan_tmp).ExclusiveScan(token(static_cast<int64_t>(blockIdx.x + 1) * kWindow + t), prefix,
+                               detail::empty_summary(), MergeSummaries{});
   __syncthreads();
-  if (x < len) windows[b * len + x] = MergeSummaries{}(suffixes[t], prefix[t]);
+  if (x < len) windows[b * len + x] = detail::merge_summaries(suffixes[t], prefix);
 }
 
 // bits[b][w] bit i: token 32 w + i starts a run of kAnchorRun tokens of one segment id.
@@ -182,14 +177,7 @@ __global__ void __launch_bounds__(kPlanWarps * 32) doc_tile_plan_kernel(
   const int rows = q1 - q0;
   const int32_t* q_seg = q.seg + b * q.len + q0;
   const int32_t* q_pos = q.pos + b * q.len + q0;
-  TileSummary mine{INT_MAX, INT_MIN, INT_MAX, INT_MIN};
-  for (int r = lane; r < rows; r += 32) {
-    mine.seg_min = min(mine.seg_min, q_seg[r]);
-    mine.seg_max = max(mine.seg_max, q_seg[r]);
-    mine.pos_min = min(mine.pos_min, q_pos[r]);
-    mine.pos_max = max(mine.pos_max, q_pos[r]);
-  }
-  const TileSummary qsum = detail::warp_merge_summary(mine);
+  const TileSummary qsum = detail::warp_token_summary(q_seg, q_pos, rows);
 
   const TileSummary* row_kv = kv_sum + b * n_kv_tiles;
   auto class_of = [&](int c) { return static_cast<int>(classify_tiles(qsum, row_kv[c], mask)); };

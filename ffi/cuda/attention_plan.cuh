@@ -47,15 +47,30 @@ __device__ inline int2 allowed_key_span(const int32_t* q_seg, const int32_t* q_p
   return span;
 }
 
+// The summary of no token, of one token, and of two sets of tokens.
+__device__ inline TileSummary empty_summary() { return TileSummary{INT_MAX, INT_MIN, INT_MAX, INT_MIN}; }
+__device__ inline TileSummary token_summary(int32_t seg, int32_t pos) { return TileSummary{seg, seg, pos, pos}; }
+__device__ inline TileSummary merge_summaries(const TileSummary& a, const TileSummary& b) {
+  return TileSummary{min(a.seg_min, b.seg_min), max(a.seg_max, b.seg_max), min(a.pos_min, b.pos_min),
+                     max(a.pos_max, b.pos_max)};
+}
+
 // Min / max of a TileSummary's four fields over the warp (every lane gets the result).
 __device__ inline TileSummary warp_merge_summary(TileSummary s) {
   for (int o = 16; o > 0; o >>= 1) {
-    s.seg_min = min(s.seg_min, __shfl_xor_sync(0xffffffffu, s.seg_min, o));
-    s.seg_max = max(s.seg_max, __shfl_xor_sync(0xffffffffu, s.seg_max, o));
-    s.pos_min = min(s.pos_min, __shfl_xor_sync(0xffffffffu, s.pos_min, o));
-    s.pos_max = max(s.pos_max, __shfl_xor_sync(0xffffffffu, s.pos_max, o));
+    s = merge_summaries(s, TileSummary{__shfl_xor_sync(0xffffffffu, s.seg_min, o),
+                                       __shfl_xor_sync(0xffffffffu, s.seg_max, o),
+                                       __shfl_xor_sync(0xffffffffu, s.pos_min, o),
+                                       __shfl_xor_sync(0xffffffffu, s.pos_max, o)});
   }
   return s;
+}
+
+// Summary of tokens [0, n) (the pointers address the first), over the whole warp.
+__device__ inline TileSummary warp_token_summary(const int32_t* seg, const int32_t* pos, int64_t n) {
+  TileSummary s = empty_summary();
+  for (int64_t i = threadIdx.x % 32; i < n; i += 32) s = merge_summaries(s, token_summary(seg[i], pos[i]));
+  return warp_merge_summary(s);
 }
 
 // The first and last of tiles [0, n) whose class_of(index) is not kSkip ({INT_MAX, -1}: none),

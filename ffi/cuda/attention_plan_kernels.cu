@@ -16,26 +16,16 @@ __global__ void __launch_bounds__(kSummaryThreads) tile_summary_kernel(
   const int64_t t = blockIdx.x, b = blockIdx.y;
   const int64_t start = t * tile;
   const int64_t end = start + tile < len ? start + tile : len;
-  int smin = INT_MAX, smax = INT_MIN, pmin = INT_MAX, pmax = INT_MIN;
-  for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
-    const int32_t s = seg[b * len + i], p = pos[b * len + i];
-    smin = min(smin, s);
-    smax = max(smax, s);
-    pmin = min(pmin, p);
-    pmax = max(pmax, p);
-  }
-  TileSummary sum = detail::warp_merge_summary(TileSummary{smin, smax, pmin, pmax});
+  TileSummary sum = detail::empty_summary();
+  for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x)
+    sum = detail::merge_summaries(sum, detail::token_summary(seg[b * len + i], pos[b * len + i]));
+  sum = detail::warp_merge_summary(sum);
   __shared__ TileSummary red[kSummaryThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) red[warp] = sum;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kSummaryThreads / 32; ++w) {
-      sum.seg_min = min(sum.seg_min, red[w].seg_min);
-      sum.seg_max = max(sum.seg_max, red[w].seg_max);
-      sum.pos_min = min(sum.pos_min, red[w].pos_min);
-      sum.pos_max = max(sum.pos_max, red[w].pos_max);
-    }
+    for (int w = 1; w < kSummaryThreads / 32; ++w) sum = detail::merge_summaries(sum, red[w]);
     out[b * n_tiles + t] = sum;
   }
 }
