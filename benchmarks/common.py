@@ -29,6 +29,19 @@ def time_fn(fn, *args, warmup: int = 2, reps: int = 10, burst: int = 5) -> float
   return statistics.median(times)
 
 
+def time_interleaved(calls: dict, rounds: int = 3, reps: int = 4, burst: int = 5) -> dict:
+  """Device time (seconds) of each of `calls` (name -> (jitted fn, args), already compiled and
+  warm): `rounds` rounds, each timing every call in turn with time_fn(reps, burst); a call's
+  time is its best round. A slow spell of a shared machine then lands in one round of every
+  call alike instead of in all of one call's trials, which made single peer numbers off by
+  2-3x and the ratios with them."""
+  best = {name: float("inf") for name in calls}
+  for _ in range(rounds):
+    for name, (fn, args) in calls.items():
+      best[name] = min(best[name], time_fn(fn, *args, warmup=0, reps=reps, burst=burst))
+  return best
+
+
 def measure_matmul_tflops(n: int = 8192, dtype=jnp.bfloat16) -> float:
   """bf16 n x n x n matmul throughput on random data, the compute ceiling of this run."""
   key = jax.random.PRNGKey(0)
