@@ -173,6 +173,10 @@ def run_case(case: Case, dtype, quick: bool):
     if fn is None or name in result:
       continue
     t_fwd, t_fb = times[(name, "fwd")], times[(name, "fwd_bwd")]
+    failed = [t for t in (t_fwd, t_fb) if isinstance(t, Exception)]
+    if failed:
+      result[name] = dict(error=_error(failed[0]))
+      continue
     result[name] = dict(fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fb * 1e3, fwd_tflops=fwd_flops / t_fwd / 1e12,
                         fwd_bwd_tflops=3.5 * fwd_flops / t_fb / 1e12)
     out = jax.jit(fn)(q, k, v)

@@ -34,11 +34,17 @@ def time_interleaved(calls: dict, rounds: int = 3, reps: int = 4, burst: int = 5
   warm): `rounds` rounds, each timing every call in turn with time_fn(reps, burst); a call's
   time is its best round. A slow spell of a shared machine then lands in one round of every
   call alike instead of in all of one call's trials, which made single peer numbers off by
-  2-3x and the ratios with them."""
+  2-3x and the ratios with them. A call that raises (a burst can run out of memory where one
+  call did not) gets its exception instead of a time and is not timed again."""
   best = {name: float("inf") for name in calls}
   for _ in range(rounds):
     for name, (fn, args) in calls.items():
-      best[name] = min(best[name], time_fn(fn, *args, warmup=0, reps=reps, burst=burst))
+      if isinstance(best[name], Exception):
+        continue
+      try:
+        best[name] = min(best[name], time_fn(fn, *args, warmup=0, reps=reps, burst=burst))
+      except Exception as e:  # recorded by the caller
+        best[name] = e
   return best
 
 
