@@ -162,8 +162,7 @@ def run_case(case: Case, dtype, quick: bool):
       for mode, call in _warm_calls(fn, q, k, v, dout).items():
         calls[(name, mode)] = call
     except Exception as e:  # out of memory or unsupported: recorded, never fatal
-      result[name] = dict(error=_error(e))
-      calls = {key: c for key, c in calls.items() if key[0] != name}
+      result[name] = dict(error=_error(e))  # _warm_calls raised before any of its calls was kept
       if "OOM" not in result[name]["error"]:
         traceback.print_exc(limit=2)
   times = common.time_interleaved(calls) if calls else {}
