@@ -1,7 +1,7 @@
 """Quick check of the sm_90a backward kernel against the sm_80 one and the XLA reference
 (gradients), plus fwd+bwd timings of both against cuDNN on a few benchmark shapes (a development
 aid; tests/test_gpu_attention.py is the real test).
-  python tools/sm90_bwd_smoke.py [--no-timing | --timing-only] [--variant NAME=VAR=VALUE ...]
+  python tools/sm90_bwd_smoke.py [--no-timing | --timing-only] [--head-dim D ...] [--variant NAME=VAR=VALUE ...]
 --variant adds a timing column with an environment variable set (A/B of kernel switches)."""
 import os
 import sys
@@ -90,22 +90,27 @@ def timing(name, b, s, mean_doc, hq, hkv, d, window=None, variants=()):
 if __name__ == "__main__":
   print(jax.devices())
   variants = [tuple(a.split("=", 2)) for i, a in enumerate(sys.argv) if i and sys.argv[i - 1] == "--variant"]
+  dims = [int(a) for i, a in enumerate(sys.argv) if i and sys.argv[i - 1] == "--head-dim"] or [64, 128, 256]
   if "--timing-only" not in sys.argv:
-    for d in (64, 128):
+    for d in dims:
       for mask in (dict(is_causal=True), dict(), dict(local_window_size=(37, 11)), dict(is_causal=True, chunk_size=100)):
         check(d, mask)
-    check(128, dict(is_causal=True), dtype=jnp.float16)
-    check(128, dict(), skv=333)
-    check(128, dict(is_causal=True), hq=8, hkv=1)
-    check(128, dict(is_causal=True), hq=16, hkv=2, b=1, s=300)  # GQA split over blocks
-    check(64, dict(is_causal=True), s=5)
-    check(128, dict(is_causal=True), empty_tail=90)
+      check(d, dict(is_causal=True), dtype=jnp.float16)
+      check(d, dict(), skv=333)
+      check(d, dict(is_causal=True), hq=8, hkv=1)
+      check(d, dict(is_causal=True), hq=16, hkv=2, b=1, s=300)  # GQA split over blocks
+      check(d, dict(is_causal=True), s=5)
+      check(d, dict(is_causal=True), empty_tail=90)
     # Long documents with a short window / chunk: runs of skipped tiles longer than a warp's 32.
-    check(128, dict(local_window_size=(200, 0)), s=6000, max_doc=5000)
-    check(64, dict(is_causal=True, chunk_size=512), s=6000, max_doc=5000)
+    if 128 in dims:
+      check(128, dict(local_window_size=(200, 0)), s=6000, max_doc=5000)
+    if 64 in dims:
+      check(64, dict(is_causal=True, chunk_size=512), s=6000, max_doc=5000)
   if "--no-timing" not in sys.argv:
     for case in (("2x8k doc1k", 2, 8192, 1024, 16, 16, 128), ("2x8k doc1k D64", 2, 8192, 1024, 16, 16, 64),
+                 ("2x8k doc1k D256", 2, 8192, 1024, 16, 16, 256),
                  ("4x16k doc4k", 4, 16384, 4096, 16, 16, 128), ("4x16k doc4k 32/8", 4, 16384, 4096, 32, 8, 128),
                  ("4x16k doc4k win1024", 4, 16384, 4096, 16, 16, 128, 1024),
                  ("1x128k doc8k", 1, 131072, 8192, 16, 16, 128)):
-      timing(*case, variants=variants)
+      if case[6] in dims:
+        timing(*case, variants=variants)

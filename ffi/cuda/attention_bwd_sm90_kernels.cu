@@ -16,93 +16,19 @@
 // around the dQ GEMM, so that the tensor cores have work while dQ is stored. The accumulator
 // keeps each tile in the warpgroups' register-fragment order (contiguous, conflict-free
 // shared-memory writes); bwd_sm90_dq_convert_kernel maps it back to [B, Sq, Hq, D], scaled.
+//
+// D 256 (BwdSm90SplitDTraits, kSplitD) keeps the producer and the masks but not the register
+// budget of 128 keys x 256 for both dK and dV: its key tiles are 64 keys, the warpgroups split
+// the queries of S^T / dP^T and the head dim of dK / dV / dQ, so P^T and dS^T go through shared
+// memory to both (shared-memory wgmma), and each warpgroup reduce-adds its half of dQ from the
+// registers (red.global.add.v4.f32, in the same fragment order).
 #include <climits>
+#include <cstdlib>
 
-#include "attention_bwd.cuh"
-
-#include "attention_sm90.cuh"
+#include "attention_bwd_sm90_traits.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
-
-template <class Element_, int kHeadDim, int kStages_>
-struct BwdSm90Traits {
-  using Element = Element_;
-  static constexpr int kD = kHeadDim, kBM = kBwdBlockM, kBN = 128, kStages = kStages_;
-  static_assert(kBN == bwd_block_n(kHeadDim), "the host plan's key tiles");
-  static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-  static constexpr int kConsumerThreads = 256;
-  // Named barriers: 0 __syncthreads; 1 both consumer warpgroups' dS are in shared memory; 2 / 3
-  // the dQ buffer is empty / full (consumers + the writer warp); 4, 5 a warpgroup's query masks.
-  static constexpr int kBarDS = 1, kBarDQEmpty = 2, kBarDQFull = 3, kBarQMasks = 4;
-  static constexpr int kDQSyncThreads = kConsumerThreads + 32;
-
-  // Keys as rows: one 64-key slab per consumer warpgroup.
-  using AtomRows = Layout<Shape<_2, _1, _1>>;
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kBM>, Int<kD>>>(), AtomRows{}));
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kD>, Int<kBM>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      AtomRows{}));
-  // dQ (queries x D): the warpgroups split D.
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kD / 2>, Int<kBN>>, GMMA::Major::MN,
-                           GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));
-
-  using SmemAtomK = GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStages>>{}));
-  // Q and dO read as the (D, queries) B operand of dK / dV: the same bytes, MN-major.
-  using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kD>, Int<kBM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBN>, Int<kD>>{}));
-  using SmemLayoutKt = decltype(composition(SmemLayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>>{},
-                                                                                 Step<_2, _1>{})));
-  // dS as the (queries, keys) A operand of dQ, queries contiguous; double-buffered so one
-  // warpgroup can write the next tile's dS while the other still reads this one.
-  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBM>, Int<kBN>, _2>{}));
-  using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, _2>{}, Step<_2, _1, _3>{})));
-
-  using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (token, d, head, batch)
-  using StrideG = cute::Stride<int64_t, _1, int64_t, int64_t>;
-  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeG{}, StrideG{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutQ{}),
-                                     Shape<Int<kBM>, Int<kD>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutKV{},
-                                      Shape<Int<kBN>, Int<kD>>{}, _1{}));
-
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  static constexpr uint32_t kRowBytes = kBM * sizeof(float);  // lse2 or delta of one query tile
-  static constexpr uint32_t kQStageBytes = kBM * kD * sizeof(Element) + kRowBytes;
-  static constexpr uint32_t kKVBytes = 2 * kBN * kD * sizeof(Element);
-
-  // A step as the producer tells the consumers (with the stage's dO: its arrive releases it): the
-  // query tile, its class, and whether another step follows. The consumers walk no plan.
-  struct StepInfo {
-    int i, c, more;
-  };
-
-  struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
-    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
-    cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]: one tile
-    cute::array_aligned<float, kBM * kStages, 128> lse2;
-    cute::array_aligned<float, kBM * kStages, 128> delta;
-    RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
-    ColMask q_rows[2][2][kBM];   // [consumer warpgroup][step parity][query]: next tile (seg, pos)
-    StepInfo step_info[kStages];  // the step whose Q / dO a stage holds (written by the producer)
-    typename Pipeline::SharedStorage pipe_q, pipe_do;
-    alignas(8) uint64_t kv_full;
-  };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
-  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
-};
 
 // dQ tile of (b, h, query tile m) in the float32 accumulator: kBM * kD floats, fragment order.
 __forceinline__ __device__ int64_t dq_tile_offset(const BwdParams& p, int b, int h, int m, int tile_elems) {
@@ -115,6 +41,23 @@ __forceinline__ __device__ void bulk_reduce_add_f32(float* gmem, const float* sm
                "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
                : "memory");
 #endif
+}
+
+// 4 floats added to global memory (sm_90: one vector reduction, no return value).
+__forceinline__ __device__ void red_add_v4(float* gmem, float a, float b, float c, float d) {
+#if JAXCP_SM90_DEVICE
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#endif
+}
+
+// Stores 16-bit fragment elements pairwise: elements 2e and 2e + 1 of an accumulator fragment
+// are adjacent columns, adjacent in a column-contiguous shared tile: one 32-bit store per pair.
+template <class TD, class TS>
+__forceinline__ __device__ void store_fragment_pairs(TD&& dst, TS const& src) {
+  CUTE_UNROLL
+  for (int e = 0; e < size(src) / 2; ++e)
+    *reinterpret_cast<uint32_t*>(&dst(2 * e)) = reinterpret_cast<const uint32_t*>(src.data())[e];
 }
 
 template <class KT>
@@ -131,16 +74,19 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   using Element = typename KT::Element;
   constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD;
   using SharedStorage = typename KT::SharedStorage;
-  using Pipeline = typename KT::Pipeline;
+  using PipelineQ = typename KT::PipelineQ;
+  using PipelineDO = typename KT::PipelineDO;
+  using StepInfo = BwdSm90StepInfo;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   extern __shared__ char smem_raw[];
   SharedStorage& ss = aligned_shared_storage<SharedStorage>(smem_raw);
   const BwdParams& p = P.p;
 
   const int warp_group = threadIdx.x / 128;
-  const auto pp = tma_pipeline_params<Pipeline>(KT::kQStageBytes, KT::kConsumerThreads);
-  Pipeline pipe_q(ss.pipe_q, pp, Shape<_1, _1, _1>{});
-  Pipeline pipe_do(ss.pipe_do, pp, Shape<_1, _1, _1>{});
+  PipelineQ pipe_q(ss.pipe_q, tma_pipeline_params<PipelineQ>(KT::kQStageBytes, KT::kConsumerThreads),
+                   Shape<_1, _1, _1>{});
+  PipelineDO pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDO>(KT::kQStageBytes, KT::kConsumerThreads),
+                     Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) TxBarrier::init(&ss.kv_full, 1);
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -161,7 +107,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   };
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdO{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
 
@@ -170,22 +116,24 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     // setmaxnreg waits for registers this warpgroup frees, and never gets more (a deadlock).
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (!any_work) return;
-    if (threadIdx.x / 32 == 1) {
+    if (!KT::kSplitD && threadIdx.x / 32 == 1) {
       // ---------------- dQ writer warp: one bulk reduce-add per step ----------------
       int h = w.h_begin, i = i_first, c = cls_first;
       bool more = true;
-      cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);  // starts empty
+      if constexpr (!KT::kSplitD) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
       do {
         const int hs = h, is = i;
         more = next_step(h, i, c);
-        cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull);
-        if (threadIdx.x == 32) {
-          bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D), ss.dq.data(), BM * D * 4);
-          tma_store_arrive();
-          tma_store_wait<0>();  // the buffer has been read
+        if constexpr (!KT::kSplitD) {
+          cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull);
+          if (threadIdx.x == 32) {
+            bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D), ss.dq.data(), BM * D * 4);
+            tma_store_arrive();
+            tma_store_wait<0>();  // the buffer has been read
+          }
+          __syncwarp();
+          if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
         }
-        __syncwarp();
-        if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
       } while (more);
       if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
       return;
@@ -206,31 +154,37 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       copy(P.tma_k.with(ss.kv_full, 0), tKg, tKs);
       copy(P.tma_v.with(ss.kv_full, 0), tVg, tVs);
     }
-    auto write = cutlass::make_producer_start_state<Pipeline>();
+    // One state for both pipelines when they have the same depth (fewer live registers).
+    auto write_q = cutlass::make_producer_start_state<PipelineQ>();
+    auto write_do_own = cutlass::make_producer_start_state<PipelineDO>();
+    auto& write_do = [&]() -> auto& {
+      if constexpr (KT::kStagesQ == KT::kStagesDO) return write_q; else return write_do_own;
+    }();
     int h = w.h_begin, i = i_first, c = cls_first;
     bool more = true;
     do {
-      const int st = write.index();
+      const int st = write_q.index(), st_do = write_do.index();
       const int64_t rows = (static_cast<int64_t>(w.b) * p.Hq + h) * p.sq_pad + static_cast<int64_t>(i) * BM;
       Tensor gQ = local_tile(mQ(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
       Tensor gdO = local_tile(mdO(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
       auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, st)), group_modes<0, 2>(gQ));
-      auto [tdOg, tdOs] = tma_partition(P.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO(_, _, st)), group_modes<0, 2>(gdO));
-      pipe_q.producer_acquire(write);
-      uint64_t* bar_q = pipe_q.producer_get_barrier(write);
+      auto [tdOg, tdOs] = tma_partition(P.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO(_, _, st_do)), group_modes<0, 2>(gdO));
+      pipe_q.producer_acquire(write_q);
+      uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
       copy(P.tma_q.with(*bar_q, 0), tQg, tQs);
       SM90_BULK_COPY_G2S::copy(p.lse2 + rows, bar_q, ss.lse2.data() + st * BM, KT::kRowBytes);
-      // The stage's step info: free (the consumers read it before releasing this stage's Q, which
+      // The Q stage's step info: free (the consumers read it before releasing this stage's Q, which
       // producer_acquire waited for); published by the dO barrier's arrive (release semantics).
       int h_next = h, i_next = i, c_next = c;
       more = next_step(h_next, i_next, c_next);
-      ss.step_info[st] = typename KT::StepInfo{i, c, more};
+      ss.step_info[st] = StepInfo{i, c, h, more};
       compiler_memory_fence();  // before producer_acquire's arrive on the dO barrier
-      pipe_do.producer_acquire(write);
-      uint64_t* bar_do = pipe_do.producer_get_barrier(write);
+      pipe_do.producer_acquire(write_do);
+      uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
       copy(P.tma_do.with(*bar_do, 0), tdOg, tdOs);
-      SM90_BULK_COPY_G2S::copy(p.delta + rows, bar_do, ss.delta.data() + st * BM, KT::kRowBytes);
-      ++write;
+      SM90_BULK_COPY_G2S::copy(p.delta + rows, bar_do, ss.delta.data() + st_do * BM, KT::kRowBytes);
+      ++write_q;
+      if constexpr (KT::kStagesQ != KT::kStagesDO) ++write_do;
       h = h_next;
       i = i_next;
       c = c_next;
@@ -238,7 +192,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     return;
   }
 
-  // ---------------- consumers: 2 warpgroups x 64 keys ----------------
+  // ---------------- consumers: 2 warpgroups ----------------
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int tidx = threadIdx.x - 128, wg = tidx / 128, t_wg = tidx % 128;
   typename KT::TiledMmaSdP mma_sdp;
@@ -252,9 +206,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol_sm90(acc_dp.layout()));
   Tensor rP = make_fragment_like<Element>(acc_s);
   Tensor rdS = make_fragment_like<Element>(acc_dp);
-  Tensor tdVrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
   Tensor p_rc = make_tensor(rP.data(), acc_rowcol_sm90(rP.layout()));
-  Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_sm90(rdS.layout()));
 
   Tensor cS = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
   auto coords = [&](int thread) {  // (key, query) of each of this thread's S^T elements, (rows, cols)
@@ -277,7 +229,11 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       cm[mi] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx]);
     }
     TxBarrier::wait(&ss.kv_full, 0);
-    typename Pipeline::PipelineState read;
+    typename PipelineQ::PipelineState read_q;
+    typename PipelineDO::PipelineState read_do_own;
+    auto& read_do = [&]() -> auto& {
+      if constexpr (KT::kStagesQ == KT::kStagesDO) return read_q; else return read_do_own;
+    }();
     int ds_stage = 0, n_partial = 0, staged = -1;
     bool more = true;
     const int64_t row0 = static_cast<int64_t>(w.b) * p.Sq;
@@ -289,7 +245,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       auto thr_dkv = mma_dkv.get_thread_slice(tix);
       auto thr_dq = mma_dq.get_thread_slice(tix);
       Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQt{});
-      Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutQt{});
+      Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdOt{});
       Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKt{});
       Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdS{});
       Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdSt{});
@@ -300,26 +256,26 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stages)
       Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
       Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-      Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, 2)
+      Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, buffers)
       Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
       // Stores of dS through the swizzle applied to offsets from a shared-memory pointer (a
       // swizzled pointer is rebuilt from an integer: generic stores, 64-bit addresses held in
       // registers). (MMA, M, N, 2)
       Tensor tdSsdS = thr_sdp.partition_C(as_position_independent_swizzle_tensor(sdSt));
       const auto tScS_rc = coords(tix);
-      const int st = read.index();
-      pipe_q.consumer_wait(read);
+      const int st = read_q.index(), st_do = read_do.index();
+      pipe_q.consumer_wait(read_q);
       wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), acc_s);
-      pipe_do.consumer_wait(read);
-      wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st), acc_dp);
+      pipe_do.consumer_wait(read_do);
+      wgmma_issue<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, st_do), acc_dp);
       compiler_memory_fence();  // the info is read after the wait
-      const typename KT::StepInfo step = ss.step_info[st];
+      const StepInfo step = ss.step_info[st];
       const int i = step.i, c = step.c;
       more = step.more != 0;
       const int64_t q0 = static_cast<int64_t>(i) * BM;
       const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
       const float* lse2 = ss.lse2.data() + st * BM;
-      const float* delta = ss.delta.data() + st * BM;
+      const float* delta = ss.delta.data() + st_do * BM;
       // Query masks of a partial tile: thread k of the warpgroup builds query k's into shared
       // memory, double-buffered by the parity of the partial tile. Its (segment, position) was
       // staged by the previous step (cp.async below) unless a skip or a new head came between.
@@ -379,7 +335,21 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       // dV += P^T dO runs on the tensor cores while dS is computed (from the 16-bit P, which frees
       // the float32 scores' registers; dS is rounded to 16 bits anyway).
       convert_into(rP, acc_s);
-      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), acc_dv);
+      [[maybe_unused]] const int pb = KT::kPdSBuffers == 2 ? ds_stage : 0;  // P / dS buffer
+      if constexpr (!KT::kSplitD) {
+        Tensor tdVrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
+        wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st_do), acc_dv);
+      } else {
+        // P^T of both warpgroups' queries -> shared memory (once the other warpgroup has read
+        // the last step's, when there is one buffer).
+        if constexpr (KT::kPdSBuffers == 1)
+          cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarPdSFree);
+        Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename KT::SmemLayoutdSt{});
+        store_fragment_pairs(thr_sdp.partition_C(as_position_independent_swizzle_tensor(sPt))(_, _, _, pb), rP);
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarP);
+        wgmma_issue<false>(mma_dkv, thr_dkv.partition_fragment_A(sPt)(_, _, _, pb), tdVrdO(_, _, _, st_do), acc_dv);
+      }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_dp);
       CUTE_UNROLL
@@ -389,38 +359,59 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         for (int mi = 0; mi < kRows; ++mi) dp_rc(mi, ni) = static_cast<float>(p_rc(mi, ni)) * (dp_rc(mi, ni) - dl);
       }
       convert_into(rdS, acc_dp);
-      // dK += dS^T Q in two halves: the first covers the dS stores and the barrier, the second
-      // the dQ stores.
-      constexpr int kHalfK = decltype(size<2>(tdKrdS))::value / 2;
-      wgmma_issue<false, 0, kHalfK>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
-      // dS^T -> shared memory (both warpgroups' keys), then dQ = dS K. Fragment elements 2e and
-      // 2e + 1 are adjacent queries, adjacent in the query-major dS: one 32-bit store per pair.
-      Tensor tdSsdS_st = tdSsdS(_, _, _, ds_stage);
-      CUTE_UNROLL
-      for (int e = 0; e < size(rdS) / 2; ++e)
-        *reinterpret_cast<uint32_t*>(&tdSsdS_st(2 * e)) = reinterpret_cast<const uint32_t*>(rdS.data())[e];
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
-      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
-      wgmma_issue<false, kHalfK>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
-      warpgroup_wait<1>();  // dQ done, the second half of dK still running
-      warpgroup_fence_operand(acc_dq);
-      // dQ += dS K (unscaled): fragments -> shared; the writer warp issues the bulk reduce-add.
-      constexpr int kChunks = decltype(size(acc_dq))::value / 4;
-      float4* sdq = reinterpret_cast<float4*>(ss.dq.data()) + wg * kChunks * 128;
-      cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQEmpty);
-      CUTE_UNROLL
-      for (int ch = 0; ch < kChunks; ++ch)
-        sdq[ch * 128 + t_wg] = make_float4(acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQFull);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      pipe_q.consumer_release(read);
-      pipe_do.consumer_release(read);
-      ++read;
+      if constexpr (!KT::kSplitD) {
+        // dK += dS^T Q in two halves: the first covers the dS stores and the barrier, the second
+        // the dQ stores.
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_sm90(rdS.layout()));
+        constexpr int kHalfK = decltype(size<2>(tdKrdS))::value / 2;
+        wgmma_issue<false, 0, kHalfK>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+        // dS^T -> shared memory (both warpgroups' keys), then dQ = dS K.
+        store_fragment_pairs(tdSsdS(_, _, _, ds_stage), rdS);
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
+        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
+        wgmma_issue<false, kHalfK>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+        warpgroup_wait<1>();  // dQ done, the second half of dK still running
+        warpgroup_fence_operand(acc_dq);
+        // dQ += dS K (unscaled): fragments -> shared; the writer warp issues the bulk reduce-add.
+        constexpr int kChunks = decltype(size(acc_dq))::value / 4;
+        float4* sdq = reinterpret_cast<float4*>(ss.dq.data()) + wg * kChunks * 128;
+        cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQEmpty);
+        CUTE_UNROLL
+        for (int ch = 0; ch < kChunks; ++ch)
+          sdq[ch * 128 + t_wg] = make_float4(acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQFull);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        pipe_q.consumer_release(read_q);
+        pipe_do.consumer_release(read_do);
+      } else {
+        // dS^T of both warpgroups' queries -> shared memory; then dQ = dS K and dK += dS^T Q.
+        store_fragment_pairs(tdSsdS(_, _, _, pb), rdS);
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
+        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, pb), tdQrK, acc_dq);
+        wgmma_issue<false>(mma_dkv, thr_dkv.partition_fragment_A(sdSt)(_, _, _, pb), tdKrQ(_, _, _, st), acc_dk);
+        warpgroup_wait<1>();  // dV and dQ done (dO is free), dK still running
+        warpgroup_fence_operand(acc_dq);
+        pipe_do.consumer_release(read_do);
+        // dQ += dS K (unscaled), this warpgroup's half, in the fragment order of the dQ tiles.
+        constexpr int kChunks = decltype(size(acc_dq))::value / 4;
+        float* gdq = p.dq_accum + dq_tile_offset(p, w.b, step.h, i, BM * D) + (wg * kChunks * 128 + t_wg) * 4;
+        CUTE_UNROLL
+        for (int ch = 0; ch < kChunks; ++ch)
+          red_add_v4(gdq + ch * 512, acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(acc_dk);
+        pipe_q.consumer_release(read_q);
+      }
+      ++read_q;
+      if constexpr (KT::kStagesQ != KT::kStagesDO) ++read_do;
       ds_stage ^= 1;
       cp_async_wait_all();  // the staged rows
     } while (more);
@@ -517,6 +508,12 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
   switch (d) {
     case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64, 2>>(p, stream);
     case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128, 2>>(p, stream);
+    case 256: {
+      // EXPERIMENT: which D 256 pipeline (dO stages, P / dS buffers).
+      static const bool one_do = std::getenv("JAXCP_BWD256_DO1") != nullptr;
+      return one_do ? launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 1, 2>>(p, stream)
+                    : launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 2, 1>>(p, stream);
+    }
     default: return cudaErrorInvalidValue;
   }
 }
@@ -525,7 +522,7 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
 
 bool bwd_use_sm90(const AttentionArgs& a) {
   if (a.deterministic || sm90_disabled_by_env()) return false;
-  if (a.shape.head_dim != 64 && a.shape.head_dim != 128) return false;
+  if (a.shape.head_dim != 64 && a.shape.head_dim != 128 && a.shape.head_dim != 256) return false;
   return sm90_kernels_available();
 }
 

@@ -1,0 +1,150 @@
+// Tile shapes, shared-memory layouts and storage of the sm_90a backward kernel
+// (attention_bwd_sm90_kernels.cu), one traits struct per design:
+//   BwdSm90Traits (D 64, 128): 128-key tiles, one 64-key slab per consumer warpgroup; P and dS
+//     stay in registers as the A operand of dV / dK; dQ through a shared buffer and a writer warp.
+//   BwdSm90SplitDTraits (D 256): dK and dV of 128 keys would not fit in the registers, so key
+//     tiles are 64 keys and the warpgroups split the head dim of dK, dV and dQ (and the queries
+//     of S^T and dP^T). P^T and dS^T go through shared memory to both; dQ is reduce-added from
+//     the registers (no room for a float32 dQ buffer next to the D 256 tiles).
+// Both compute S^T and dP^T with keys as rows.
+#pragma once
+#include "attention_bwd.cuh"
+
+#include "attention_sm90.cuh"
+
+namespace jaxcp::cuda::detail {
+
+// What a consumer step needs to know (written by the producer next to the stage's Q, published
+// by its arrive on the dO stage): the query tile, its class, the head, whether another follows.
+struct BwdSm90StepInfo {
+  int i, c, h, more;
+};
+
+// Layouts and TMA types both designs share, from the tile sizes and pipeline depths.
+template <class Element_, int kD_, int kBN_, int kStagesQ_, int kStagesDO_, int kPdSBuffers_>
+struct BwdSm90Common {
+  using Element = Element_;
+  static constexpr int kD = kD_, kBM = kBwdBlockM, kBN = kBN_;
+  static constexpr int kStagesQ = kStagesQ_, kStagesDO = kStagesDO_, kPdSBuffers = kPdSBuffers_;
+  static_assert(kBN == bwd_block_n(kD), "the host plan's key tiles");
+  static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+  static constexpr int kConsumerThreads = 256;
+
+  using SmemAtomK = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStagesQ>>{}));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStagesDO>>{}));
+  // Q and dO read as the (D, queries) B operand of dK / dV: the same bytes, MN-major.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kD>, Int<kBM>, Int<kStagesQ>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kD>, Int<kBM>, Int<kStagesDO>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBN>, Int<kD>>{}));
+  using SmemLayoutKt = decltype(composition(SmemLayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>>{},
+                                                                                 Step<_2, _1>{})));
+  // dS (and P) as the (queries, keys) A operand of dQ, queries contiguous; its transpose
+  // (keys, queries) is the same bytes read K-major, as the fragments store them.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBM>, Int<kBN>, Int<kPdSBuffers>>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, Int<kPdSBuffers>>{}, Step<_2, _1, _3>{})));
+
+  using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (token, d, head, batch)
+  using StrideG = cute::Stride<int64_t, _1, int64_t, int64_t>;
+  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeG{}, StrideG{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                     Shape<Int<kBM>, Int<kD>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutKV{},
+                                      Shape<Int<kBN>, Int<kD>>{}, _1{}));
+
+  using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
+  using PipelineDO = cutlass::PipelineTmaAsync<kStagesDO>;
+  static constexpr uint32_t kRowBytes = kBM * sizeof(float);  // lse2 or delta of one query tile
+  static constexpr uint32_t kQStageBytes = kBM * kD * sizeof(Element) + kRowBytes;
+  static constexpr uint32_t kKVBytes = 2 * kBN * kD * sizeof(Element);
+
+  // Everything but the P / dS and dQ buffers, which the designs size differently.
+  struct CommonStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
+    cute::array_aligned<float, kBM * kStagesQ, 128> lse2;
+    cute::array_aligned<float, kBM * kStagesDO, 128> delta;
+    RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
+    ColMask q_rows[2][2][kBM];   // [consumer warpgroup][step parity][query]: next tile (seg, pos)
+    BwdSm90StepInfo step_info[kStagesQ];  // the step whose Q a stage holds
+    typename PipelineQ::SharedStorage pipe_q;
+    typename PipelineDO::SharedStorage pipe_do;
+    alignas(8) uint64_t kv_full;
+  };
+};
+
+template <class Element_, int kHeadDim, int kStages>
+struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages, 2> {
+  using Base = BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages, 2>;
+  using Element = Element_;
+  static constexpr bool kSplitD = false;
+  static constexpr int kD = kHeadDim, kBM = Base::kBM, kBN = Base::kBN;
+  // Named barriers: 0 __syncthreads; 1 both consumer warpgroups' dS are in shared memory; 2 / 3
+  // the dQ buffer is empty / full (consumers + the writer warp); 4, 5 a warpgroup's query masks.
+  static constexpr int kBarDS = 1, kBarDQEmpty = 2, kBarDQFull = 3, kBarQMasks = 4;
+  static constexpr int kDQSyncThreads = Base::kConsumerThreads + 32;
+
+  // Keys as rows: one 64-key slab per consumer warpgroup.
+  using AtomRows = Layout<Shape<_2, _1, _1>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kBM>, Int<kD>>>(), AtomRows{}));
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kD>, Int<kBM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomRows{}));
+  // dQ (queries x D): the warpgroups split D.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kD / 2>, Int<kBN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  struct SharedStorage : Base::CommonStorage {
+    // dS double-buffered so one warpgroup can write the next tile's while the other still reads
+    // this one.
+    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> ds;
+    cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]: one tile
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
+};
+
+template <class Element_, int kStagesDO, int kPdSBuffers>
+struct BwdSm90SplitDTraits : BwdSm90Common<Element_, 256, 64, 2, kStagesDO, kPdSBuffers> {
+  using Base = BwdSm90Common<Element_, 256, 64, 2, kStagesDO, kPdSBuffers>;
+  using Element = Element_;
+  static constexpr bool kSplitD = true;
+  static constexpr int kD = 256, kBM = Base::kBM, kBN = Base::kBN;
+  // Named barriers: 0 __syncthreads; 1 / 2 both warpgroups' P^T / dS^T are in shared memory;
+  // 3 both are done reading the last step's (single buffer only); 4, 5 a warpgroup's query masks.
+  static constexpr int kBarP = 1, kBarDS = 2, kBarPdSFree = 3, kBarQMasks = 4;
+
+  using AtomCols = Layout<Shape<_1, _2, _1>>;
+  // S^T, dP^T (keys x queries): the warpgroups split the queries.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kBM / 2>, Int<kD>>>(), AtomCols{}));
+  // dK, dV (keys x D) += P^T / dS^T (keys x queries, shared) x Q / dO: the warpgroups split D.
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kD / 2>, Int<kBM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomCols{}));
+  // dQ (queries x D): the warpgroups split D.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kD / 2>, Int<kBN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      AtomCols{}));
+
+  struct SharedStorage : Base::CommonStorage {
+    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> p;
+    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> ds;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+  static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
+};
+
+}  // namespace jaxcp::cuda::detail
