@@ -125,8 +125,8 @@ def test_default_implementation_picks_cuda():
 @pytest.mark.parametrize("mask", ["causal", "window", "causal_chunk"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm80_kernels_on_hopper(mask, head_dim, monkeypatch):
-  """On an H100/H200 the forward (windows under 512 aside) and backward (D 64/128) run sm_90a
-  kernels; the sm_80 kernels must stay correct too."""
+  """On an H100/H200 the forward (windows under 512 aside) and the non-deterministic backward run
+  sm_90a kernels; the sm_80 kernels must stay correct too."""
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   rng = np.random.default_rng(3)
   seg = random_segments(rng, 2, 700, mean_doc=150)

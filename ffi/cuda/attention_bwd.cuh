@@ -42,6 +42,7 @@ struct BwdParams {
   // (a multiple of kBwdBlockM; padding rows hold +inf / 0), so a query tile's values are one
   // aligned 256-byte block for a bulk copy.
   const float* lse2;
+  const ColMask* q_ids;  // (segment, position) of each query, in rows of sq_pad (padding: zeros)
   int64_t sq_pad;
 };
 

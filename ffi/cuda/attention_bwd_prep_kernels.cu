@@ -58,6 +58,19 @@ __global__ void __launch_bounds__(256) bwd_lse2_kernel(const float* __restrict__
   }
 }
 
+// q_ids[b, i] = (segment, position) of query i of row b, zeros past Sq: rows of sq_pad, so that
+// the sm_90a kernel's producer loads a query tile's with one bulk copy, next to its Q.
+__global__ void __launch_bounds__(256) bwd_q_ids_kernel(const int32_t* __restrict__ q_seg,
+                                                        const int32_t* __restrict__ q_pos,
+                                                        ColMask* __restrict__ q_ids, int64_t B, int64_t Sq,
+                                                        int64_t sq_pad) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; idx < B * sq_pad;
+       idx += static_cast<int64_t>(gridDim.x) * 256) {
+    const int64_t b = idx / sq_pad, i = idx % sq_pad;
+    q_ids[idx] = i < Sq ? ColMask{q_seg[b * Sq + i], q_pos[b * Sq + i]} : ColMask{0, 0};
+  }
+}
+
 // dst[i] = Element(scale * src[i]), 8 elements per thread.
 template <class Element>
 __global__ void __launch_bounds__(256) scale_convert_kernel(const float* __restrict__ src,
@@ -114,7 +127,7 @@ struct BwdPlan {
   int splits = 1, head_chunk = 1;
   bool sm90 = false;
   size_t q_sum = 0, kv_sum = 0, kv_range = 0, kv_order = 0, kv_sum_dq = 0, q_range_dq = 0,
-         q_order_dq = 0, delta = 0, lse2 = 0, dq_accum = 0, dk_part = 0, dv_part = 0, bytes = 0;
+         q_order_dq = 0, delta = 0, lse2 = 0, q_ids = 0, dq_accum = 0, dk_part = 0, dv_part = 0, bytes = 0;
 };
 
 BwdPlan bwd_plan(const AttentionArgs& a) {
@@ -153,7 +166,10 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   r.kv_range = w.take(sizeof(TileRange) * s.batch * r.nkv);
   r.kv_order = w.take(sizeof(int) * s.batch * r.nkv);
   r.delta = w.take(sizeof(float) * s.batch * s.q_heads * (r.sm90 ? r.sq_pad : s.q_len));
-  if (r.sm90) r.lse2 = w.take(sizeof(float) * s.batch * s.q_heads * r.sq_pad);
+  if (r.sm90) {
+    r.lse2 = w.take(sizeof(float) * s.batch * s.q_heads * r.sq_pad);
+    r.q_ids = w.take(sizeof(ColMask) * s.batch * r.sq_pad);
+  }
   if (a.deterministic) {
     r.kv_sum_dq = w.take(sizeof(TileSummary) * s.batch * r.nkv_dq);
     r.q_range_dq = w.take(sizeof(TileRange) * s.batch * r.nq);
@@ -189,6 +205,9 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
     const int64_t rows = s.batch * s.q_heads;
     bwd_lse2_kernel<<<grid_for(rows * plan.sq_pad, 256), 256, 0, stream>>>(
         p.lse, const_cast<float*>(p.lse2), const_cast<float*>(p.delta), rows, s.q_len, plan.sq_pad);
+    if ((err = cudaGetLastError())) return err;
+    bwd_q_ids_kernel<<<grid_for(s.batch * plan.sq_pad, 256), 256, 0, stream>>>(
+        p.q_seg, p.q_pos, const_cast<ColMask*>(p.q_ids), s.batch, s.q_len, plan.sq_pad);
     if ((err = cudaGetLastError())) return err;
   }
   const int64_t q_elems = s.batch * s.q_len * s.q_heads * s.head_dim;
@@ -265,6 +284,7 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   detail::BwdParams p{};
   p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse = lse;
   p.lse2 = plan.sm90 ? reinterpret_cast<float*>(base + plan.lse2) : nullptr;
+  p.q_ids = plan.sm90 ? reinterpret_cast<ColMask*>(base + plan.q_ids) : nullptr;
   p.sq_pad = plan.sq_pad;
   p.delta = reinterpret_cast<float*>(base + plan.delta);
   p.q_seg = q_seg; p.q_pos = q_pos; p.kv_seg = kv_seg; p.kv_pos = kv_pos;

@@ -2,8 +2,8 @@
 //
 // One CTA owns one key tile of 128 keys of one kv head (or a split of its GQA group), the same
 // blocks and tile plan as the sm_80 dK/dV kernel (bwd_block). A producer warpgroup loads K and V
-// once and streams the query tiles (Q + lse, dO + delta; 64 queries each) that the plan does not
-// skip through two 2-stage TMA pipelines. Two consumer warpgroups own 64 keys each and compute
+// once and streams the query tiles (Q + lse + the queries' segments and positions, dO + delta; 64
+// queries each) that the plan does not skip through two TMA pipelines. Two consumer warpgroups own 64 keys each and compute
 // everything transposed, keys as rows, so that P and dS come out of the tensor cores already in
 // the register layout of the next GEMM's A operand:
 //   S^T = K Q^T, dP^T = V dO^T                       (shared-memory wgmma)
@@ -21,9 +21,10 @@
 // budget of 128 keys x 256 for both dK and dV: its key tiles are 64 keys, the warpgroups split
 // the queries of S^T / dP^T and the head dim of dK / dV / dQ, so P^T and dS^T go through shared
 // memory to both (shared-memory wgmma), and each warpgroup reduce-adds its half of dQ from the
-// registers (red.global.add.v4.f32, in the same fragment order).
+// registers (red.global.add.v4.f32, in the same fragment order; there is no room for a float32
+// dQ tile in shared memory next to the D 256 tiles). On 2 x 8k with documents of 1k (H100) it is
+// bound by L2 (89% of its throughput: Q and dO loads and those reductions, 64 KB each per step).
 #include <climits>
-#include <cstdlib>
 
 #include "attention_bwd_sm90_traits.cuh"
 
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   PipelineQ pipe_q(ss.pipe_q, tma_pipeline_params<PipelineQ>(KT::kQStageBytes, KT::kConsumerThreads),
                    Shape<_1, _1, _1>{});
-  PipelineDO pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDO>(KT::kQStageBytes, KT::kConsumerThreads),
+  PipelineDO pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDO>(KT::kDOStageBytes, KT::kConsumerThreads),
                      Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) TxBarrier::init(&ss.kv_full, 1);
   cutlass::arch::fence_barrier_init();
@@ -173,6 +174,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
       copy(P.tma_q.with(*bar_q, 0), tQg, tQs);
       SM90_BULK_COPY_G2S::copy(p.lse2 + rows, bar_q, ss.lse2.data() + st * BM, KT::kRowBytes);
+      SM90_BULK_COPY_G2S::copy(p.q_ids + w.b * p.sq_pad + static_cast<int64_t>(i) * BM, bar_q,
+                               ss.q_ids.data() + st * BM, KT::kIdBytes);
       // The Q stage's step info: free (the consumers read it before releasing this stage's Q, which
       // producer_acquire waited for); published by the dO barrier's arrive (release semantics).
       int h_next = h, i_next = i, c_next = c;
@@ -234,9 +237,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     auto& read_do = [&]() -> auto& {
       if constexpr (KT::kStagesQ == KT::kStagesDO) return read_q; else return read_do_own;
     }();
-    int ds_stage = 0, n_partial = 0, staged = -1;
+    int ds_stage = 0, n_partial = 0;
     bool more = true;
-    const int64_t row0 = static_cast<int64_t>(w.b) * p.Sq;
     do {
       // Per-thread fragments (shared-memory descriptors) and coordinates, rebuilt for every step
       // from opaque_thread_index: built once, they were held across the loop, and spilled.
@@ -277,36 +279,16 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       const float* lse2 = ss.lse2.data() + st * BM;
       const float* delta = ss.delta.data() + st_do * BM;
       // Query masks of a partial tile: thread k of the warpgroup builds query k's into shared
-      // memory, double-buffered by the parity of the partial tile. Its (segment, position) was
-      // staged by the previous step (cp.async below) unless a skip or a new head came between.
+      // memory, double-buffered by the parity of the partial tile, from the (segment, position)
+      // the producer loaded with Q (no global loads here: behind the dQ reductions, they waited).
       const RowMask* q_masks = ss.q_masks[wg][n_partial & 1];
       if (c == kPartial) {
         if (t_wg < BM) {
-          const bool valid = t_wg < q_rows;
-          ColMask id;
-          if (staged == i) {
-            id = ss.q_rows[wg][ds_stage][t_wg];
-          } else {
-            const int64_t idx = row0 + q0 + (valid ? t_wg : 0);
-            id = ColMask{__ldg(p.q_seg + idx), __ldg(p.q_pos + idx)};
-          }
-          ss.q_masks[wg][n_partial & 1][t_wg] = make_row_mask(valid, id.seg, id.pos, p.mask);
+          const ColMask id = ss.q_ids[st * BM + t_wg];
+          ss.q_masks[wg][n_partial & 1][t_wg] = make_row_mask(t_wg < q_rows, id.seg, id.pos, p.mask);
         }
         cutlass::arch::NamedBarrier::sync(128, KT::kBarQMasks + wg);
         ++n_partial;
-      }
-      // Stage the next tile's (segment, position) for the next step (zeros past the end: seg 0
-      // masks the row), in the other parity's buffer: this step's may still be read above.
-      staged = -1;
-      if (i + 1 < w.range.y) {
-        staged = i + 1;
-        if (t_wg < BM) {
-          const int64_t tok = q0 + BM + t_wg;
-          const bool ok = tok < p.Sq;
-          ColMask* dst = &ss.q_rows[wg][ds_stage ^ 1][t_wg];
-          cp_async_i32(&dst->seg, p.q_seg + row0 + (ok ? tok : 0), ok);
-          cp_async_i32(&dst->pos, p.q_pos + row0 + (ok ? tok : 0), ok);
-        }
       }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
@@ -335,20 +317,16 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       // dV += P^T dO runs on the tensor cores while dS is computed (from the 16-bit P, which frees
       // the float32 scores' registers; dS is rounded to 16 bits anyway).
       convert_into(rP, acc_s);
-      [[maybe_unused]] const int pb = KT::kPdSBuffers == 2 ? ds_stage : 0;  // P / dS buffer
       if constexpr (!KT::kSplitD) {
         Tensor tdVrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
         wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st_do), acc_dv);
       } else {
-        // P^T of both warpgroups' queries -> shared memory (once the other warpgroup has read
-        // the last step's, when there is one buffer).
-        if constexpr (KT::kPdSBuffers == 1)
-          cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarPdSFree);
+        // P^T of both warpgroups' queries -> shared memory.
         Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename KT::SmemLayoutdSt{});
-        store_fragment_pairs(thr_sdp.partition_C(as_position_independent_swizzle_tensor(sPt))(_, _, _, pb), rP);
+        store_fragment_pairs(thr_sdp.partition_C(as_position_independent_swizzle_tensor(sPt))(_, _, _, ds_stage), rP);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarP);
-        wgmma_issue<false>(mma_dkv, thr_dkv.partition_fragment_A(sPt)(_, _, _, pb), tdVrdO(_, _, _, st_do), acc_dv);
+        wgmma_issue<false>(mma_dkv, thr_dkv.partition_fragment_A(sPt)(_, _, _, ds_stage), tdVrdO(_, _, _, st_do), acc_dv);
       }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_dp);
@@ -390,12 +368,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         pipe_do.consumer_release(read_do);
       } else {
         // dS^T of both warpgroups' queries -> shared memory; then dQ = dS K and dK += dS^T Q.
-        store_fragment_pairs(tdSsdS(_, _, _, pb), rdS);
+        store_fragment_pairs(tdSsdS(_, _, _, ds_stage), rdS);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
-        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, pb), tdQrK, acc_dq);
-        wgmma_issue<false>(mma_dkv, thr_dkv.partition_fragment_A(sdSt)(_, _, _, pb), tdKrQ(_, _, _, st), acc_dk);
+        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
+        wgmma_issue<false>(mma_dkv, thr_dkv.partition_fragment_A(sdSt)(_, _, _, ds_stage), tdKrQ(_, _, _, st), acc_dk);
         warpgroup_wait<1>();  // dV and dQ done (dO is free), dK still running
         warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(read_do);
@@ -413,7 +391,6 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       ++read_q;
       if constexpr (KT::kStagesQ != KT::kStagesDO) ++read_do;
       ds_stage ^= 1;
-      cp_async_wait_all();  // the staged rows
     } while (more);
   }
 
@@ -508,12 +485,7 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
   switch (d) {
     case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64, 2>>(p, stream);
     case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128, 2>>(p, stream);
-    case 256: {
-      // EXPERIMENT: which D 256 pipeline (dO stages, P / dS buffers).
-      static const bool one_do = std::getenv("JAXCP_BWD256_DO1") != nullptr;
-      return one_do ? launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 1, 2>>(p, stream)
-                    : launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 2, 1>>(p, stream);
-    }
+    case 256: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element>>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -21,11 +21,11 @@ struct BwdSm90StepInfo {
 };
 
 // Layouts and TMA types both designs share, from the tile sizes and pipeline depths.
-template <class Element_, int kD_, int kBN_, int kStagesQ_, int kStagesDO_, int kPdSBuffers_>
+template <class Element_, int kD_, int kBN_, int kStagesQ_, int kStagesDO_>
 struct BwdSm90Common {
   using Element = Element_;
   static constexpr int kD = kD_, kBM = kBwdBlockM, kBN = kBN_;
-  static constexpr int kStagesQ = kStagesQ_, kStagesDO = kStagesDO_, kPdSBuffers = kPdSBuffers_;
+  static constexpr int kStagesQ = kStagesQ_, kStagesDO = kStagesDO_;
   static_assert(kBN == bwd_block_n(kD), "the host plan's key tiles");
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumerThreads = 256;
@@ -42,11 +42,12 @@ struct BwdSm90Common {
   using SmemLayoutKt = decltype(composition(SmemLayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>>{},
                                                                                  Step<_2, _1>{})));
   // dS (and P) as the (queries, keys) A operand of dQ, queries contiguous; its transpose
-  // (keys, queries) is the same bytes read K-major, as the fragments store them.
+  // (keys, queries) is the same bytes read K-major, as the fragments store them. Two buffers, so
+  // that one warpgroup can write the next step's while the other still reads this one.
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBM>, Int<kBN>, Int<kPdSBuffers>>{}));
+                                              Shape<Int<kBM>, Int<kBN>, _2>{}));
   using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, Int<kPdSBuffers>>{}, Step<_2, _1, _3>{})));
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, _2>{}, Step<_2, _1, _3>{})));
 
   using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (token, d, head, batch)
   using StrideG = cute::Stride<int64_t, _1, int64_t, int64_t>;
@@ -59,7 +60,9 @@ struct BwdSm90Common {
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelineDO = cutlass::PipelineTmaAsync<kStagesDO>;
   static constexpr uint32_t kRowBytes = kBM * sizeof(float);  // lse2 or delta of one query tile
-  static constexpr uint32_t kQStageBytes = kBM * kD * sizeof(Element) + kRowBytes;
+  static constexpr uint32_t kIdBytes = kBM * sizeof(ColMask);  // (segment, position) of its queries
+  static constexpr uint32_t kQStageBytes = kBM * kD * sizeof(Element) + kRowBytes + kIdBytes;
+  static constexpr uint32_t kDOStageBytes = kBM * kD * sizeof(Element) + kRowBytes;
   static constexpr uint32_t kKVBytes = 2 * kBN * kD * sizeof(Element);
 
   // Everything but the P / dS and dQ buffers, which the designs size differently.
@@ -70,8 +73,8 @@ struct BwdSm90Common {
     cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
     cute::array_aligned<float, kBM * kStagesQ, 128> lse2;
     cute::array_aligned<float, kBM * kStagesDO, 128> delta;
+    cute::array_aligned<ColMask, kBM * kStagesQ, 128> q_ids;  // with the Q stage
     RowMask q_masks[2][2][kBM];  // [consumer warpgroup][parity of the partial tile][query]
-    ColMask q_rows[2][2][kBM];   // [consumer warpgroup][step parity][query]: next tile (seg, pos)
     BwdSm90StepInfo step_info[kStagesQ];  // the step whose Q a stage holds
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineDO::SharedStorage pipe_do;
@@ -80,8 +83,8 @@ struct BwdSm90Common {
 };
 
 template <class Element_, int kHeadDim, int kStages>
-struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages, 2> {
-  using Base = BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages, 2>;
+struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages> {
+  using Base = BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages>;
   using Element = Element_;
   static constexpr bool kSplitD = false;
   static constexpr int kD = kHeadDim, kBM = Base::kBM, kBN = Base::kBN;
@@ -105,8 +108,6 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages, 
       Layout<Shape<_1, _2, _1>>{}));
 
   struct SharedStorage : Base::CommonStorage {
-    // dS double-buffered so one warpgroup can write the next tile's while the other still reads
-    // this one.
     cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> ds;
     cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]: one tile
   };
@@ -114,15 +115,17 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages, 
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
 
-template <class Element_, int kStagesDO, int kPdSBuffers>
-struct BwdSm90SplitDTraits : BwdSm90Common<Element_, 256, 64, 2, kStagesDO, kPdSBuffers> {
-  using Base = BwdSm90Common<Element_, 256, 64, 2, kStagesDO, kPdSBuffers>;
+// One dO stage: two, with single P / dS buffers (the shared memory allows one or the other), ran
+// at the same speed (H100, 2 x 8k, documents of 1k).
+template <class Element_>
+struct BwdSm90SplitDTraits : BwdSm90Common<Element_, 256, 64, 2, 1> {
+  using Base = BwdSm90Common<Element_, 256, 64, 2, 1>;
   using Element = Element_;
   static constexpr bool kSplitD = true;
   static constexpr int kD = 256, kBM = Base::kBM, kBN = Base::kBN;
   // Named barriers: 0 __syncthreads; 1 / 2 both warpgroups' P^T / dS^T are in shared memory;
-  // 3 both are done reading the last step's (single buffer only); 4, 5 a warpgroup's query masks.
-  static constexpr int kBarP = 1, kBarDS = 2, kBarPdSFree = 3, kBarQMasks = 4;
+  // 4, 5 a warpgroup's query masks.
+  static constexpr int kBarP = 1, kBarDS = 2, kBarQMasks = 4;
 
   using AtomCols = Layout<Shape<_1, _2, _1>>;
   // S^T, dP^T (keys x queries): the warpgroups split the queries.
