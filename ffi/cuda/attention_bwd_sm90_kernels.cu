@@ -3,9 +3,9 @@
 // One CTA owns one key tile of 128 keys of one kv head (or a split of its GQA group), the same
 // blocks and tile plan as the sm_80 dK/dV kernel (bwd_block). A producer warpgroup loads K and V
 // once and streams the query tiles (Q + lse + the queries' segments and positions, dO + delta; 64
-// queries each) that the plan does not skip through two TMA pipelines. Two consumer warpgroups own 64 keys each and compute
-// everything transposed, keys as rows, so that P and dS come out of the tensor cores already in
-// the register layout of the next GEMM's A operand:
+// queries each) that the plan does not skip through two TMA pipelines. Two consumer warpgroups
+// own 64 keys each and compute everything transposed, keys as rows, so that P and dS come out of
+// the tensor cores already in the register layout of the next GEMM's A operand:
 //   S^T = K Q^T, dP^T = V dO^T                       (shared-memory wgmma)
 //   P^T = exp2(S^T scale log2e - lse2), dS^T = P^T (dP^T - delta)
 //   dV += P^T dO, dK += dS^T Q                        (register-A wgmma, accumulators in registers)
@@ -117,15 +117,15 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     // setmaxnreg waits for registers this warpgroup frees, and never gets more (a deadlock).
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (!any_work) return;
-    if (!KT::kSplitD && threadIdx.x / 32 == 1) {
-      // ---------------- dQ writer warp: one bulk reduce-add per step ----------------
-      int h = w.h_begin, i = i_first, c = cls_first;
-      bool more = true;
-      if constexpr (!KT::kSplitD) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
-      do {
-        const int hs = h, is = i;
-        more = next_step(h, i, c);
-        if constexpr (!KT::kSplitD) {
+    if constexpr (!KT::kSplitD) {
+      if (threadIdx.x / 32 == 1) {
+        // ---------------- dQ writer warp: one bulk reduce-add per step ----------------
+        int h = w.h_begin, i = i_first, c = cls_first;
+        bool more = true;
+        cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);  // starts empty
+        do {
+          const int hs = h, is = i;
+          more = next_step(h, i, c);
           cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull);
           if (threadIdx.x == 32) {
             bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D), ss.dq.data(), BM * D * 4);
@@ -134,10 +134,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           }
           __syncwarp();
           if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
-        }
-      } while (more);
-      if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-      return;
+        } while (more);
+        if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+        return;
+      }
     }
     // ---------------- producer: one thread issues every load ----------------
     if (threadIdx.x != 0) return;
