@@ -72,6 +72,28 @@ def test_dtypes_and_gqa(dtype, heads):
   _compare(*_qkv(1, 2, 513, 513, *heads, 128, dtype), dtype, segment_ids=seg, is_causal=True)
 
 
+@pytest.mark.parametrize("case", ["f16_mqa", "gqa_split", "cross", "empty_rows"])
+def test_head_dim_256_backward(case):
+  """The sm_90a D 256 backward (64-key tiles, the head dim split over warpgroups, dQ reduced
+  from registers) on what its plan treats apart: float16 with one kv head, a GQA group split
+  over blocks (few key tiles: partial dK / dV sums), keys longer than queries, padded rows."""
+  rng = np.random.default_rng(6)
+  if case == "f16_mqa":
+    seg = random_segments(rng, 2, 300, mean_doc=90)
+    _compare(*_qkv(6, 2, 300, 300, 8, 1, 256, jnp.float16), jnp.float16, segment_ids=seg, is_causal=True)
+  elif case == "gqa_split":
+    _compare(*_qkv(7, 1, 300, 300, 16, 2, 256, jnp.bfloat16), jnp.bfloat16, is_causal=True)
+  elif case == "cross":
+    q_seg = random_segments(rng, 2, 200, mean_doc=60, pad_tail=False)
+    kv_seg = np.sort(rng.integers(1, q_seg.max() + 1, size=(2, 333)), axis=1).astype(np.int32)
+    _compare(*_qkv(8, 2, 200, 333, 4, 2, 256, jnp.bfloat16), jnp.bfloat16, segment_ids=q_seg,
+             kv_segment_ids=kv_seg)
+  else:
+    seg = random_segments(rng, 2, 300, mean_doc=90)
+    seg[1, 150:] = 0  # a row half padding: its queries attend nothing, their gradients are zero
+    _compare(*_qkv(9, 2, 300, 300, 4, 4, 256, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
+
+
 def test_length_one_documents_and_empty_rows():
   s = 300
   seg = np.arange(1, s + 1, dtype=np.int32)[None].repeat(2, 0)   # every document has one token
