@@ -423,12 +423,17 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
 }
 
 // dq[b, q0 + r, h, :] = Element(scale * accumulator), from the fragment-ordered float32 tiles
-// (tiles the dK/dV blocks never touched hold the memset's zeros). One block per query tile.
+// (tiles the dK/dV blocks never touched hold the memset's zeros). One block per query tile. The
+// fragment order puts a warp's pairs on 8 rows x 16 bytes, so storing them straight to dq wrote
+// half sectors (3x the time of its bytes); the tile goes through shared memory row by row, and
+// leaves in 16-byte stores, a row of D columns from consecutive threads.
 template <class KT>
 __global__ void __launch_bounds__(256) bwd_sm90_dq_convert_kernel(const BwdParams p) {
 #if JAXCP_SM90_DEVICE
   using Element = typename KT::Element;
   constexpr int BM = KT::kBM, D = KT::kD;
+  constexpr int kPitch = D + 8;  // row pitch (elements): rows 4 banks apart, pair stores conflict-free
+  __shared__ alignas(16) Element tile[BM * kPitch];
   const int m = static_cast<int>(blockIdx.x % p.nq);
   const int h = static_cast<int>(blockIdx.x / p.nq % p.Hq);
   const int b = static_cast<int>(blockIdx.x / p.nq / p.Hq);
@@ -438,16 +443,22 @@ __global__ void __launch_bounds__(256) bwd_sm90_dq_convert_kernel(const BwdParam
   constexpr int kChunks = decltype(size(tc))::value / 4;
   const float4* src = reinterpret_cast<const float4*>(p.dq_accum + dq_tile_offset(p, b, h, m, BM * D)) +
                       wg * kChunks * 128 + t_wg;
-  const int64_t q0 = static_cast<int64_t>(m) * BM;
-  const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
-  Element* dq = static_cast<Element*>(p.dq) + (static_cast<int64_t>(b) * p.Sq + q0) * p.q_row +
-                static_cast<int64_t>(h) * D;
   CUTE_UNROLL
   for (int ch = 0; ch < kChunks; ++ch) {
     const float4 v = src[ch * 128];
     const auto c0 = tc(4 * ch), c2 = tc(4 * ch + 2);  // (row, col) and (row + 8, col); +1: next col
-    if (get<0>(c0) < q_rows) store_pair(dq + get<0>(c0) * p.q_row + get<1>(c0), v.x * p.scale, v.y * p.scale);
-    if (get<0>(c2) < q_rows) store_pair(dq + get<0>(c2) * p.q_row + get<1>(c2), v.z * p.scale, v.w * p.scale);
+    store_pair(tile + get<0>(c0) * kPitch + get<1>(c0), v.x * p.scale, v.y * p.scale);
+    store_pair(tile + get<0>(c2) * kPitch + get<1>(c2), v.z * p.scale, v.w * p.scale);
+  }
+  __syncthreads();
+  const int64_t q0 = static_cast<int64_t>(m) * BM;
+  const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
+  Element* dq = static_cast<Element*>(p.dq) + (static_cast<int64_t>(b) * p.Sq + q0) * p.q_row +
+                static_cast<int64_t>(h) * D;
+  constexpr int kVecs = D / 8;  // 16-byte vectors per row
+  for (int idx = tidx; idx < q_rows * kVecs; idx += 256) {
+    const int r = idx / kVecs, col = (idx % kVecs) * 8;
+    *reinterpret_cast<uint4*>(dq + r * p.q_row + col) = *reinterpret_cast<const uint4*>(tile + r * kPitch + col);
   }
 #endif
 }

@@ -92,11 +92,12 @@ struct DocTileWorkspace {
   int* offsets;
   int* total;
   DocTile* tiles;
+  int* tile_counter;  // the attention kernel's next-tile counter: zeroed by the plan
 };
-// Builds the plan for queries `q` against keys `kv` (kv.tile = the kernel's block N, kv_sum its
-// summaries [B, n_kv_tiles]). fixed_grid: tiles of kFwdBlockM rows from token 0 (a development
-// aid: JAXCP_FWD_FIXED_TILES=1).
-cudaError_t launch_doc_tile_plan(const TileTokens& q, const TileSummary* kv_sum, int64_t n_kv_tiles,
+// Builds the plan for queries `q` against keys `kv` (kv.tile = the kernel's block N, n_kv_tiles
+// of them). fixed_grid: tiles of kFwdBlockM rows from token 0 (a development aid:
+// JAXCP_FWD_FIXED_TILES=1).
+cudaError_t launch_doc_tile_plan(const TileTokens& q, int64_t n_kv_tiles,
                                  const TileTokens& kv, int64_t batch, const MaskParams& mask, bool fixed_grid,
                                  const DocTileWorkspace& ws, cudaStream_t stream);
 

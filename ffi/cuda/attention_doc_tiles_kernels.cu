@@ -10,9 +10,11 @@
 // document starts, as with per-document (cu_seqlens) tiling.
 //
 // Kernels, in stream order: key windows (the summary of the block N keys from every key, so
-// that the kernel classifies a key tile starting anywhere with one load), anchor bits (one bit
-// per token), tile starts (one block per batch row, block-wide scans over the bit words), row
-// offsets (one block), per-tile plan (one warp per tile slot).
+// that the kernel classifies a key tile starting anywhere with one load; at a key tile's start,
+// its summary), anchor bits (one bit per token), tile starts (one block per batch row,
+// block-wide scans over the bit words), row offsets (one block; only for more than
+// kInlineOffsetRows rows, otherwise summed by the plan's blocks), per-tile plan (one block per
+// tile slot). On a 0.6 ms forward these took 48 us, 29 of them the plan's (H100, session 13).
 #include <cub/block/block_scan.cuh>
 
 #include <climits>
@@ -26,7 +28,8 @@ constexpr int kAnchorRun = 64;  // shortest run of one segment id that starts ti
 constexpr int kBitsThreads = 256;
 constexpr int kStartThreads = 512;
 constexpr int kOffsetThreads = 1024;
-constexpr int kPlanWarps = 4;
+constexpr int kPlanThreads = kFwdBlockM;  // one thread per row of a tile, then per key of a key tile
+constexpr int kInlineOffsetRows = 8 * kPlanThreads;  // up to this many rows, plan blocks sum the counts
 constexpr int kMaxProbed = 4;  // key tiles probed pair by pair from each end of a tile's range
 
 struct MergeSummaries {  // merge_summaries as a scan operator
@@ -159,62 +162,126 @@ __global__ void __launch_bounds__(kOffsetThreads) doc_tile_offsets_kernel(const 
   if (threadIdx.x == 0) *total = carry;
 }
 
-// One warp per tile slot (b, i): the tile's rows, summary and key span. The span starts from
-// the range of key tiles (of block_n keys) that the summaries do not skip and is then narrowed
-// on the tokens to the first and last key some row may attend (at most kMaxProbed tiles from
-// each end; beyond that the span keeps the tile's edge, which is never wrong).
-__global__ void __launch_bounds__(kPlanWarps * 32) doc_tile_plan_kernel(
+// Min and max over the plan block's threads (every thread gets both).
+__device__ int2 block_min_max(int mn, int mx) {
+  __shared__ int2 part[kPlanThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) {
+    mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  }
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = make_int2(mn, mx);
+  __syncthreads();
+  int2 r = part[0];
+  CUTE_UNROLL
+  for (int w = 1; w < kPlanThreads / 32; ++w) r = make_int2(min(r.x, part[w].x), max(r.y, part[w].y));
+  __syncthreads();  // part may be reused
+  return r;
+}
+
+// One block per tile slot (b, i): the tile's rows, summary and key span. Thread t holds row t,
+// then key t of a probed key tile, so no thread walks more than the 128 rows once per probe
+// (a warp per tile walked them for 4 keys a lane: 29 us of a 600 us forward on 2 x 8k, H100).
+// The span starts from the range of key tiles (of block_n keys) that the summaries do not skip
+// and is then narrowed on the tokens to the first and last key some row may attend (at most
+// kMaxProbed tiles from each end; beyond that the span keeps the tile's edge, never wrong).
+// The key tiles' summaries are the key windows at their starts.
+__global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     const int* __restrict__ starts, const int* __restrict__ counts, const int* __restrict__ offsets, int capacity,
-    TileTokens q, const TileSummary* __restrict__ kv_sum, int64_t n_kv_tiles, TileTokens kv, MaskParams mask,
-    DocTile* __restrict__ tiles) {
-  const int lane = threadIdx.x % 32;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kPlanWarps + threadIdx.x / 32, b = blockIdx.y;
+    TileTokens q, const TileSummary* __restrict__ windows, int64_t n_kv_tiles, TileTokens kv, MaskParams mask,
+    int64_t batch, DocTile* __restrict__ tiles, int* __restrict__ total, int* __restrict__ tile_counter) {
+  __shared__ RowMask row_mask[kFwdBlockM];
+  __shared__ TileSummary sum_part[kPlanThreads / 32];
+  __shared__ int offset_part[kPlanThreads / 32];
+  const int t = threadIdx.x;
+  const int64_t i = blockIdx.x, b = blockIdx.y;
   const int count = counts[b];
-  if (i >= count) return;
+  if (i == 0 && b == 0 && t == 0) *tile_counter = 0;  // for the attention kernel, launched next
+  if (i >= count) return;  // the whole block
+  // Tiles of the rows before b (and of all rows, written once): summed here up to
+  // kInlineOffsetRows rows, which spares a launch; beyond, doc_tile_offsets_kernel ran first.
+  int offset = 0;
+  if (offsets != nullptr) {
+    offset = offsets[b];
+  } else {
+    int part = 0;
+    for (int64_t r = t; r < b; r += kPlanThreads) part += counts[r];
+    part = __reduce_add_sync(0xffffffffu, part);
+    if (t % 32 == 0) offset_part[t / 32] = part;
+    __syncthreads();
+    for (int w = 0; w < kPlanThreads / 32; ++w) offset += offset_part[w];
+    if (b == batch - 1 && i == 0 && t == 0) *total = offset + count;
+  }
   const int* row_starts = starts + b * capacity;
   const int q0 = row_starts[i];
   const int q1 = i + 1 < count ? row_starts[i + 1] : static_cast<int>(q.len);
   const int rows = q1 - q0;
-  const int32_t* q_seg = q.seg + b * q.len + q0;
-  const int32_t* q_pos = q.pos + b * q.len + q0;
-  const TileSummary qsum = detail::warp_token_summary(q_seg, q_pos, rows);
+  TileSummary mine = detail::empty_summary();
+  if (t < rows) {
+    const int64_t at = b * q.len + q0 + t;
+    const int32_t seg = q.seg[at], pos = q.pos[at];
+    mine = detail::token_summary(seg, pos);
+    row_mask[t] = make_row_mask(true, seg, pos, mask);
+  }
+  mine = detail::warp_merge_summary(mine);
+  if (t % 32 == 0) sum_part[t / 32] = mine;
+  __syncthreads();
+  TileSummary qsum = sum_part[0];
+  CUTE_UNROLL
+  for (int w = 1; w < kPlanThreads / 32; ++w) qsum = detail::merge_summaries(qsum, sum_part[w]);
 
-  const TileSummary* row_kv = kv_sum + b * n_kv_tiles;
-  auto class_of = [&](int c) { return static_cast<int>(classify_tiles(qsum, row_kv[c], mask)); };
-  const int2 range = detail::warp_unskipped_range(n_kv_tiles, class_of);
-  const int first = range.x, last = range.y;
-  auto span_of = [&](int c) {
-    const int64_t k0 = static_cast<int64_t>(c) * kv.tile;
-    const int nk = static_cast<int>(min(static_cast<int64_t>(kv.tile), kv.len - k0));
-    const int64_t at = b * kv.len + k0;
-    return detail::allowed_key_span(q_seg, q_pos, rows, kv.seg + at, kv.pos + at, nk, mask);
+  const TileSummary* row_windows = windows + b * kv.len;
+  auto unskipped = [&](int64_t c) {
+    return classify_tiles(qsum, row_windows[c * kv.tile], mask) != TileClass::kSkip;
   };
-  // The first key: probe from the front; c ends on the first tile not known to have none.
-  int64_t kv_lo = 0, kv_hi = 0;
-  int c = first <= last ? first : INT_MAX, unused;
-  bool found = false;
-  for (int t = 0; t < kMaxProbed && c <= last && !found; ++t) {
-    const int2 s = span_of(c);
-    found = s.x != INT_MAX;
-    if (found) kv_lo = static_cast<int64_t>(c) * kv.tile + s.x;
-    else c = detail::warp_first_unskipped(c + 1, last + 1, class_of, unused);
-  }
-  if (c <= last) {
-    if (!found) kv_lo = static_cast<int64_t>(c) * kv.tile;
-    // The last key: probe from the back, down to c at most.
-    int e = last;
-    found = false;
-    for (int t = 0; t < kMaxProbed && e >= c && !found; ++t) {
-      const int2 s = span_of(e);
-      found = s.y >= 0;
-      if (found) kv_hi = static_cast<int64_t>(e) * kv.tile + s.y + 1;
-      else e = detail::warp_last_unskipped(e - 1, c, class_of);
+  // First and last unskipped key tile in [lo, hi] (first > last: none).
+  auto unskipped_range = [&](int64_t lo, int64_t hi) {
+    int first = INT_MAX, last = -1;
+    for (int64_t c = lo + t; c <= hi; c += kPlanThreads) {
+      if (unskipped(c)) {
+        first = min(first, static_cast<int>(c));
+        last = max(last, static_cast<int>(c));
+      }
     }
-    if (!found) kv_hi = e >= c ? min(static_cast<int64_t>(e + 1) * kv.tile, kv.len) : 0;
-    if (kv_lo >= kv_hi) kv_lo = kv_hi = 0;
+    return block_min_max(first, last);
+  };
+  // The first and last key of key tile c that some row may attend (INT_MAX / -1: none).
+  auto span_of = [&](int64_t c) {
+    const int64_t k0 = c * kv.tile;
+    bool any = false;
+    if (t < min(static_cast<int64_t>(kv.tile), kv.len - k0)) {
+      const ColMask cm = make_col_mask(true, kv.seg[b * kv.len + k0 + t], kv.pos[b * kv.len + k0 + t]);
+      for (int r = 0; r < rows; ++r) any |= allowed(row_mask[r], cm);
+    }
+    return block_min_max(any ? t : INT_MAX, any ? t : -1);
+  };
+  const int2 range = unskipped_range(0, n_kv_tiles - 1);
+  int c = range.x, e = range.y;
+  int64_t kv_lo = 0, kv_hi = 0;
+  if (c <= e) {
+    // The first key: probe from the front; c ends on the first tile not known to have none.
+    bool found = false;
+    for (int p = 0; p < kMaxProbed && c <= e && !found; ++p) {
+      const int2 s = span_of(c);
+      found = s.x != INT_MAX;
+      if (found) kv_lo = static_cast<int64_t>(c) * kv.tile + s.x;
+      else c = unskipped_range(c + 1, e).x;  // INT_MAX: none left
+    }
+    if (c <= e) {
+      if (!found) kv_lo = static_cast<int64_t>(c) * kv.tile;
+      // The last key: probe from the back, down to c at most.
+      found = false;
+      for (int p = 0; p < kMaxProbed && e >= c && !found; ++p) {
+        const int2 s = span_of(e);
+        found = s.y >= 0;
+        if (found) kv_hi = static_cast<int64_t>(e) * kv.tile + s.y + 1;
+        else e = unskipped_range(c, e - 1).y;  // -1: none left
+      }
+      if (!found) kv_hi = e >= c ? min(static_cast<int64_t>(e + 1) * kv.tile, kv.len) : 0;
+      if (kv_lo >= kv_hi) kv_lo = kv_hi = 0;
+    }
   }
-  if (lane == 0)
-    tiles[offsets[b] + i] = DocTile{static_cast<int>(b), q0, rows, static_cast<int>(kv_lo),
+  if (t == 0)
+    tiles[offset + i] = DocTile{static_cast<int>(b), q0, rows, static_cast<int>(kv_lo),
                                     static_cast<int>(kv_hi), {0, 0, 0}, qsum};
 }
 
@@ -224,9 +291,9 @@ int doc_tile_capacity(int64_t len) {
   return static_cast<int>(ceil_div64(len, kFwdBlockM) + ceil_div64(len, kAnchorRun) + 1);
 }
 
-cudaError_t launch_doc_tile_plan(const TileTokens& q, const TileSummary* kv_sum, int64_t n_kv_tiles,
-                                 const TileTokens& kv, int64_t batch, const MaskParams& mask, bool fixed_grid,
-                                 const DocTileWorkspace& ws, cudaStream_t stream) {
+cudaError_t launch_doc_tile_plan(const TileTokens& q, int64_t n_kv_tiles, const TileTokens& kv, int64_t batch,
+                                 const MaskParams& mask, bool fixed_grid, const DocTileWorkspace& ws,
+                                 cudaStream_t stream) {
   if (batch == 0 || q.len == 0) return cudaSuccess;
   if (batch > 65535 || q.len > INT_MAX - 2 * kFwdBlockM || kv.len > INT_MAX - 2 * kMaxTileTokens ||
       (kv.tile != 64 && kv.tile != 128))
@@ -250,12 +317,15 @@ cudaError_t launch_doc_tile_plan(const TileTokens& q, const TileSummary* kv_sum,
   doc_tile_starts_kernel<<<static_cast<unsigned>(batch), kStartThreads, 0, stream>>>(
       ws.anchor_bits, q.len, words, capacity, fixed_grid, ws.starts, ws.counts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  doc_tile_offsets_kernel<<<1, kOffsetThreads, 0, stream>>>(ws.counts, batch, ws.offsets, ws.total);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  const int64_t blocks = ceil_div64(capacity, kPlanWarps);
-  doc_tile_plan_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)), kPlanWarps * 32, 0,
-                         stream>>>(ws.starts, ws.counts, ws.offsets, capacity, q, kv_sum, n_kv_tiles, kv, mask,
-                                   ws.tiles);
+  const bool inline_offsets = batch <= kInlineOffsetRows;
+  if (!inline_offsets) {
+    doc_tile_offsets_kernel<<<1, kOffsetThreads, 0, stream>>>(ws.counts, batch, ws.offsets, ws.total);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  doc_tile_plan_kernel<<<dim3(static_cast<unsigned>(capacity), static_cast<unsigned>(batch)), kPlanThreads, 0,
+                         stream>>>(ws.starts, ws.counts, inline_offsets ? nullptr : ws.offsets, capacity, q,
+                                   ws.key_windows, n_kv_tiles, kv, mask, batch, ws.tiles, ws.total,
+                                   ws.tile_counter);
   return cudaGetLastError();
 }
 

@@ -351,17 +351,18 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   auto* tile_counter = reinterpret_cast<int*>(base + ws.tile_counter);
 
   cudaError_t err;
-  if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, block_n, kv_sum, stream))) return err;
   const TileTokens q_tok{q_seg, q_pos, s.q_len, kFwdBlockM}, kv_tok{kv_seg, kv_pos, s.kv_len, block_n};
   DocTileWorkspace doc{reinterpret_cast<TileSummary*>(base + ws.doc_windows),
                        reinterpret_cast<uint32_t*>(base + ws.doc_bits), reinterpret_cast<int*>(base + ws.doc_starts),
                        reinterpret_cast<int*>(base + ws.doc_counts), reinterpret_cast<int*>(base + ws.doc_offsets),
-                       reinterpret_cast<int*>(base + ws.doc_total), reinterpret_cast<DocTile*>(base + ws.doc_tiles)};
-  if (sm90) {
-    if ((err = launch_doc_tile_plan(q_tok, kv_sum, nkv, kv_tok, s.batch, a.mask, detail::fwd_fixed_tiles_by_env(),
-                                    doc, stream)))
+                       reinterpret_cast<int*>(base + ws.doc_total), reinterpret_cast<DocTile*>(base + ws.doc_tiles),
+                       tile_counter};
+  if (sm90) {  // key tile summaries: the plan's key windows at the tiles' starts
+    if ((err = launch_doc_tile_plan(q_tok, nkv, kv_tok, s.batch, a.mask, detail::fwd_fixed_tiles_by_env(), doc,
+                                    stream)))
       return err;
   } else {
+    if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, block_n, kv_sum, stream))) return err;
     if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kFwdBlockM, q_sum, stream))) return err;
     if ((err = launch_tile_ranges(q_sum, nq, q_tok, kv_sum, nkv, kv_tok, s.batch, a.mask, /*rows_are_q=*/true,
                                   q_range, stream)))

@@ -488,8 +488,6 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
   // At most this many work items (p.nq: tile slots per row); the kernel reads the real count.
   const int64_t tiles = batch * p.nq * p.Hq;
   if (tiles > INT_MAX - (1 << 20)) return cudaErrorInvalidValue;  // the counter runs past the last tile
-  err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
-  if (err != cudaSuccess) return err;
   const int64_t sms = multiprocessor_count();
   const int64_t ctas = tiles < sms ? tiles : sms;
   kernel<<<static_cast<unsigned>(ctas), KT::kThreads, KT::kSmemBytes, stream>>>(P);

@@ -66,13 +66,6 @@ __device__ inline TileSummary warp_merge_summary(TileSummary s) {
   return s;
 }
 
-// Summary of tokens [0, n) (the pointers address the first), over the whole warp.
-__device__ inline TileSummary warp_token_summary(const int32_t* seg, const int32_t* pos, int64_t n) {
-  TileSummary s = empty_summary();
-  for (int64_t i = threadIdx.x % 32; i < n; i += 32) s = merge_summaries(s, token_summary(seg[i], pos[i]));
-  return warp_merge_summary(s);
-}
-
 // The first and last of tiles [0, n) whose class_of(index) is not kSkip ({INT_MAX, -1}: none),
 // the warp's lanes taking every 32nd tile. Every lane gets the result.
 template <class ClassOf>
