@@ -193,6 +193,8 @@ DOC_TILE_ROWS = {
   "boundaries": [63, 64, 65, 127, 128, 129, 1, 200, -100, 255, 256, 3, 70],
   # a run of documents shorter than 64 rides in the tiles of the document before it
   "short_runs": [300, 5, 20, 40, 63, 1, 1, 2, 400, 30, 30, 30, 257],
+  # a short document riding at the end of a long one: its own run's keys, not the long one's
+  "long_then_rider": [1500, 16, 384],
   # segment ids reused non-contiguously (1, 2, 1, 2, ...): still one mask document per id
   "reused_ids": None,
   # every token starts a run that looks 64 long (id = i mod 63): more starts than tile slots,

@@ -42,11 +42,12 @@ def small_seq_fn(name, backward):
 
 
 def attention_case(name):
-  """A bench_attention case by name, or `fixed:B:S:DOC` (every document DOC tokens long)."""
+  """A bench_attention case by name, or `fixed:B:S:DOC[:WINDOW]` (every document DOC tokens long;
+  causal, within a window of WINDOW keys if given)."""
   if name.startswith("fixed:"):
-    b, s, doc = (int(x) for x in name.split(":")[1:])
+    b, s, doc, *window = (int(x) for x in name.split(":")[1:])
     rows = [[doc] * (s // doc) + ([s % doc] if s % doc else []) for _ in range(b)]
-    return ba.Case(name, b, s, doc), rows
+    return ba.Case(name, b, s, doc, window=window[0] if window else None), rows
   case = next(c for c in ba.GPU_CASES + ba.QUICK_CASES if c.name == name)
   rng = np.random.default_rng(0)
   rows = common.packed_rows(rng, case.batch, case.seq_len, case.mean_doc) if case.mean_doc else \
@@ -84,7 +85,9 @@ def main():
     extra = ""
     if kind == "att":
       case, rows = attention_case(name)
-      flops = 4 * case.head_dim * case.q_heads * common.allowed_pairs(rows, causal=True) * (3.5 if a.bwd else 1)
+      window = (case.window - 1, 0) if case.window else None
+      pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
+      flops = 4 * case.head_dim * case.q_heads * pairs * (3.5 if a.bwd else 1)
       extra = f" {flops / t / 1e12:.0f} TFLOP/s"
     print(f"{a.case}{' fwd+bwd' if a.bwd else ''}: {t * 1e3:.3f} ms{extra}")
 
