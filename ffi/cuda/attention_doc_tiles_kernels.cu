@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
   // of the one before it). Each run's keys are found on its own summary: on the tile's, a rider's
   // positions from 0 kept every key tile of the long document before it unskipped, the probes
   // gave up, and the tile walked that whole document (on 4 x 16k, window 1024: 16 such tiles
-  // made the forward 17% slower, H100). More than kMaxRuns runs: the tile's summary as one run.
+  // made the forward 19% slower, H100). More than kMaxRuns runs: the tile's summary as one run.
   const bool run_start = t < rows && (t == 0 || row_mask[t - 1].seg != seg);
   const unsigned starts_mask = __ballot_sync(0xffffffffu, run_start);
   if (t % 32 == 0) offset_part[t / 32] = __popc(starts_mask);
@@ -253,7 +253,10 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
   }
   const int run_index = before + __popc(starts_mask & ((1u << (t % 32)) - 1u));
   if (runs > kMaxRuns) {
-    if (t == 0) run_at[0] = 0, run_at[1] = rows;
+    if (t == 0) {
+      run_at[0] = 0;
+      run_at[1] = rows;
+    }
     runs = 1;
   } else {
     if (run_start) run_at[run_index] = t;

@@ -72,7 +72,10 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
     for (; starts != 0u; starts &= starts - 1u, ++runs)
       if (runs < kMaxRuns) run_at[runs] = i0 + __ffs(static_cast<int>(starts)) - 1;
   }
-  if (runs > max_runs || runs == 0) runs = 1, run_at[0] = 0;  // more: the tile as one run
+  if (runs > max_runs || runs == 0) {  // more: the tile as one run
+    runs = 1;
+    run_at[0] = 0;
+  }
   run_at[runs] = n_tok;
 
   const bool trim = mask.window_left >= 0 || mask.window_right >= 0 || mask.chunk_size > 0;
