@@ -34,6 +34,22 @@ def walked_tiles(seq, doc, window):
   return walked * (seq // doc), queries * (seq // doc)
 
 
+def time_against_cudnn(case, rows, q, k, v):
+  """jaxcp's and cuDNN's forward on these rows, timed interleaved: (jaxcp seconds, cuDNN seconds,
+  both times with their TFLOP/s over allowed pairs and the ratio, as printed)."""
+  seg, pos = common.segments_and_positions(rows, case.seq_len)
+  calls = {"jaxcp": (jax.jit(ba._jaxcp(case, seg, pos)), (q, k, v)),
+           "cudnn": (jax.jit(ba._cudnn_packed(case, rows, jnp.bfloat16)), (q, k, v))}
+  for fn, args in calls.values():
+    jax.block_until_ready(fn(*args))
+  t = common.time_interleaved(calls, rounds=2)
+  window = (case.window - 1, 0) if case.window else None
+  flops = 4 * case.head_dim * case.q_heads * common.allowed_pairs(rows, causal=True, window=window)
+  text = (f"jaxcp {t['jaxcp'] * 1e3:.3f} ms {flops / t['jaxcp'] / 1e12:4.0f} TFLOP/s  "
+          f"cuDNN {t['cudnn'] * 1e3:.3f} ms {flops / t['cudnn'] / 1e12:4.0f}  ratio {t['cudnn'] / t['jaxcp']:.2f}")
+  return t["jaxcp"], t["cudnn"], text
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--seq", type=int, default=65536)
@@ -55,20 +71,10 @@ def main(argv=None):
   for doc, window in shapes:
     rows = [[doc] * (a.seq // doc)]
     case = ba.Case("probe", 1, a.seq, doc, q_heads=a.heads, kv_heads=a.heads, head_dim=a.head_dim, window=window)
-    seg, pos = common.segments_and_positions(rows, a.seq)
-    calls = {"jaxcp": (jax.jit(ba._jaxcp(case, seg, pos)), (q, k, v)),
-             "cudnn": (jax.jit(ba._cudnn_packed(case, rows, jnp.bfloat16)), (q, k, v))}
-    for fn, args in calls.values():
-      jax.block_until_ready(fn(*args))
-    t = common.time_interleaved(calls, rounds=2)
+    t_jaxcp, t_cudnn, text = time_against_cudnn(case, rows, q, k, v)
     walked, queries = walked_tiles(a.seq, doc, window)
-    flops = 4 * a.head_dim * a.heads * common.allowed_pairs(
-        rows, causal=True, window=(window - 1, 0) if window else None)
-    rows_out.append((walked, queries, t["jaxcp"], t["cudnn"]))
-    print(f"doc {doc:5d} window {str(window):5s} key tiles/query tile {walked / queries:5.1f}  "
-          f"jaxcp {t['jaxcp'] * 1e3:.3f} ms {flops / t['jaxcp'] / 1e12:4.0f} TFLOP/s  "
-          f"cuDNN {t['cudnn'] * 1e3:.3f} ms {flops / t['cudnn'] / 1e12:4.0f}  ratio {t['cudnn'] / t['jaxcp']:.2f}",
-          flush=True)
+    rows_out.append((walked, queries, t_jaxcp, t_cudnn))
+    print(f"doc {doc:5d} window {str(window):5s} key tiles/query tile {walked / queries:5.1f}  {text}", flush=True)
   m = np.array([[w, n] for w, n, _, _ in rows_out], np.float64)
   for col, name in ((2, "jaxcp"), (3, "cuDNN")):
     y = np.array([r[col] for r in rows_out])
@@ -114,18 +120,7 @@ def mix(a):
     q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (b, s, a.heads, a.head_dim), jnp.bfloat16)
                for i in range(3))
     case = ba.Case(name, b, s, 1, q_heads=a.heads, kv_heads=a.heads, head_dim=a.head_dim, window=window)
-    seg, pos = common.segments_and_positions(rows, s)
-    calls = {"jaxcp": (jax.jit(ba._jaxcp(case, seg, pos)), (q, k, v)),
-             "cudnn": (jax.jit(ba._cudnn_packed(case, rows, jnp.bfloat16)), (q, k, v))}
-    for fn, args in calls.values():
-      jax.block_until_ready(fn(*args))
-    t = common.time_interleaved(calls, rounds=2)
-    flops = 4 * a.head_dim * a.heads * common.allowed_pairs(
-        rows, causal=True, window=(window - 1, 0) if window else None)
-    print(f"{name:32s} docs/row {[len(r) for r in rows]}  jaxcp {t['jaxcp'] * 1e3:.3f} ms "
-          f"{flops / t['jaxcp'] / 1e12:4.0f} TFLOP/s  cuDNN {t['cudnn'] * 1e3:.3f} ms "
-          f"{flops / t['cudnn'] / 1e12:4.0f}  ratio {t['cudnn'] / t['jaxcp']:.2f}", flush=True)
-
+    print(f"{name:32s} docs/row {[len(r) for r in rows]}  {time_against_cudnn(case, rows, q, k, v)[2]}", flush=True)
 
 if __name__ == "__main__":
   main()
