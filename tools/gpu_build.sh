@@ -8,9 +8,21 @@ mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
 fi
+# The device tool copies the tree with its files' times, and a warm host keeps build/ between
+# calls: ninja would then miss a file that differs from the last build's yet looks older. Touch
+# every source whose content changed since the last build here (or every one, with no record).
+manifest=build/.jaxcp_sources.md5
+mkdir -p build
+find ffi CMakeLists.txt -type f | sort | xargs md5sum > "$manifest.new"
+if [ -f "$manifest" ]; then
+  diff "$manifest" "$manifest.new" | awk '/^>/ {print $3}' | xargs -r touch
+else
+  awk '{print $2}' "$manifest.new" | xargs touch  # no record of the last build: all of them
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${JAXCP_CUDA_ARCHS:-90a-real}" \
   CMAKE_BUILD_PARALLEL_LEVEL=16 \
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
-  || { tail -50 "$OUT/build.log"; exit 1; }
+  || { tail -50 "$OUT/build.log"; rm -f "$manifest"; exit 1; }
+mv "$manifest.new" "$manifest"
 echo "build ok"

@@ -3,6 +3,9 @@
   ncu --clock-control none -k regex:small_seq_fwd --launch-skip 2 --launch-count 1 \
       python3 tools/profile_case.py ss:ragged30720
   python3 tools/profile_case.py att:"1x64k doc1k" --time
+  python3 tools/profile_case.py att:"2x8k doc1k" att:"2x8k doc1k D64" --time --both
+
+Several cases time one after another in one process (one JAX start).
 
 Cases: `ss:<name>` picks from the small-seq shorthands below, `att:<name>` a case of
 benchmarks/bench_attention.py by its name. `--time` prints the median time per call as well.
@@ -71,25 +74,32 @@ def attention_fn(name, backward):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("case")
+  ap.add_argument("case", nargs="+")
   ap.add_argument("--bwd", action="store_true", help="forward+backward instead of forward")
+  ap.add_argument("--both", action="store_true", help="forward, then forward+backward")
   ap.add_argument("--reps", type=int, default=4)
   ap.add_argument("--time", action="store_true")
   a = ap.parse_args()
-  kind, name = a.case.split(":", 1)
-  fn, args = (small_seq_fn if kind == "ss" else attention_fn)(name, a.bwd)
-  for _ in range(a.reps):
+  for case in a.case:
+    for backward in ([False, True] if a.both else [a.bwd]):
+      run_case(case, backward, a.reps, a.time)
+
+
+def run_case(spec, backward, reps, timed):
+  kind, name = spec.split(":", 1)
+  fn, args = (small_seq_fn if kind == "ss" else attention_fn)(name, backward)
+  for _ in range(reps):
     jax.block_until_ready(fn(*args))
-  if a.time:
+  if timed:
     t = common.time_fn(fn, *args)
     extra = ""
     if kind == "att":
       case, rows = attention_case(name)
       window = (case.window - 1, 0) if case.window else None
       pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
-      flops = 4 * case.head_dim * case.q_heads * pairs * (3.5 if a.bwd else 1)
+      flops = 4 * case.head_dim * case.q_heads * pairs * (3.5 if backward else 1)
       extra = f" {flops / t / 1e12:.0f} TFLOP/s"
-    print(f"{a.case}{' fwd+bwd' if a.bwd else ''}: {t * 1e3:.3f} ms{extra}")
+    print(f"{spec}{' fwd+bwd' if backward else ''}: {t * 1e3:.3f} ms{extra}", flush=True)
 
 
 if __name__ == "__main__":
