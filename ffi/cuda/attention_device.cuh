@@ -60,6 +60,9 @@ struct TileTokens {
   int tile;
 };
 constexpr int kMaxTileTokens = 128;  // the largest key tile launch_tile_ranges accepts
+// Runs of one segment id in a tile that the plans place one by one, each on its own summary (a
+// short document riding in a tile of a long one; more runs: the tile's summary as one run).
+constexpr int kMaxTileRuns = 4;
 // For every "row" tile (out [B, n_rows]) the range of "col" tiles that classify_tiles does not
 // skip; with a window or chunks, minus tiles at its ends that have no allowed pair (checked on
 // the tokens). rows_are_q says which side of classify_tiles the row tiles are.

@@ -31,7 +31,6 @@ constexpr int kOffsetThreads = 1024;
 constexpr int kPlanThreads = kFwdBlockM;  // one thread per row of a tile, then per key of a key tile
 constexpr int kInlineOffsetRows = 8 * kPlanThreads;  // up to this many rows, plan blocks sum the counts
 constexpr int kMaxProbed = 4;  // key tiles probed pair by pair from each end of a tile's range
-constexpr int kMaxRuns = 4;    // runs of one segment id in a tile placed one by one
 
 struct MergeSummaries {  // merge_summaries as a scan operator
   __device__ TileSummary operator()(const TileSummary& a, const TileSummary& b) const {
@@ -193,7 +192,7 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
   __shared__ RowMask row_mask[kFwdBlockM];
   __shared__ TileSummary sum_part[kPlanThreads / 32];
   __shared__ int offset_part[kPlanThreads / 32];
-  __shared__ int run_at[kMaxRuns + 1];  // the runs' first rows, then the tile's row count
+  __shared__ int run_at[kMaxTileRuns + 1];  // the runs' first rows, then the tile's row count
   const int t = threadIdx.x;
   const int64_t i = blockIdx.x, b = blockIdx.y;
   const int count = counts[b];
@@ -241,7 +240,7 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
   // of the one before it). Each run's keys are found on its own summary: on the tile's, a rider's
   // positions from 0 kept every key tile of the long document before it unskipped, the probes
   // gave up, and the tile walked that whole document (on 4 x 16k, window 1024: 16 such tiles
-  // made the forward 19% slower, H100). More than kMaxRuns runs: the tile's summary as one run.
+  // made the forward 19% slower, H100). More than kMaxTileRuns runs: the tile's summary as one run.
   const bool run_start = t < rows && (t == 0 || row_mask[t - 1].seg != seg);
   const unsigned starts_mask = __ballot_sync(0xffffffffu, run_start);
   if (t % 32 == 0) offset_part[t / 32] = __popc(starts_mask);
@@ -252,7 +251,7 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     runs += offset_part[w];
   }
   const int run_index = before + __popc(starts_mask & ((1u << (t % 32)) - 1u));
-  if (runs > kMaxRuns) {
+  if (runs > kMaxTileRuns) {
     if (t == 0) {
       run_at[0] = 0;
       run_at[1] = rows;

@@ -33,7 +33,6 @@ __global__ void __launch_bounds__(kSummaryThreads) tile_summary_kernel(
 
 constexpr int kRangeWarps = 4;
 constexpr int kMaxTrimmed = 4;  // tiles with no allowed pair dropped from each end of a range, at most
-constexpr int kMaxRuns = 4;     // runs of one segment id in a row tile ranged one by one
 
 // Whether any pair of queries [q0, q0 + nq) and keys [k0, k0 + nk) (token indices in batch row
 // b, nk <= kMaxTileTokens) is allowed (allowed_key_span).
@@ -64,13 +63,13 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
   const int n_tok = static_cast<int>(min(static_cast<int64_t>(row_tokens.tile), row_tokens.len - tok0));
   const int32_t* row_seg = row_tokens.seg + b * row_tokens.len + tok0;
   const int32_t* row_pos = row_tokens.pos + b * row_tokens.len + tok0;
-  int run_at[kMaxRuns + 1];
+  int run_at[kMaxTileRuns + 1];
   int runs = 0;
   for (int i0 = 0; i0 < n_tok; i0 += 32) {
     const int i = i0 + lane;
     unsigned starts = __ballot_sync(0xffffffffu, i < n_tok && (i == 0 || row_seg[i] != row_seg[i - 1]));
     for (; starts != 0u; starts &= starts - 1u, ++runs)
-      if (runs < kMaxRuns) run_at[runs] = i0 + __ffs(static_cast<int>(starts)) - 1;
+      if (runs < kMaxTileRuns) run_at[runs] = i0 + __ffs(static_cast<int>(starts)) - 1;
   }
   if (runs > max_runs || runs == 0) {  // more: the tile as one run
     runs = 1;
@@ -181,11 +180,11 @@ cudaError_t launch_tile_summaries(const int32_t* seg, const int32_t* pos, int64_
 }
 
 // JAXCP_PLAN_RUNS=n (a development aid, for measuring the run-by-run ranges): at most n runs
-// per row tile ranged one by one (1: the tile's summary alone), default and cap kMaxRuns.
+// per row tile ranged one by one (1: the tile's summary alone), default and cap kMaxTileRuns.
 static int max_runs_by_env() {
   const char* env = std::getenv("JAXCP_PLAN_RUNS");
-  const int n = env != nullptr ? std::atoi(env) : kMaxRuns;
-  return n >= 1 && n <= kMaxRuns ? n : kMaxRuns;
+  const int n = env != nullptr ? std::atoi(env) : kMaxTileRuns;
+  return n >= 1 && n <= kMaxTileRuns ? n : kMaxTileRuns;
 }
 
 cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileTokens& row_tokens,
