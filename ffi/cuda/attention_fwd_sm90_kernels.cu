@@ -191,8 +191,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     // landing on cols_full), so the consumers read them from shared memory with no global load
     // of their own and no barrier beyond that one.
     // 72 x 128 + 216 x 256 = 168 x 384, the launch's registers. At 40 (232 for the consumers)
-    // the producer's key walk spilled ~230 bytes per tile; the consumers need no more than 216
-    // for any head dim (ptxas: no spills). H100, forward: window 1024 ~6%, D 256 ~4% faster.
+    // the producer spilled ~230 bytes; the consumers need no more than 216 for any head dim
+    // (ptxas: no spills). H100, forward: window 1024 ~6%, D 256 ~3% faster.
     cutlass::arch::warpgroup_reg_dealloc<72>();
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
