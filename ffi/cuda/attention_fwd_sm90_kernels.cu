@@ -200,7 +200,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, P.batch));
     Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
     Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
-    auto write = cutlass::make_producer_start_state<Pipeline>();
+    auto write_k = cutlass::make_producer_start_state<Pipeline>();
+    auto write_v = write_k;
     const int n_doc_tiles = *p.doc_total;
     const int n_items = n_doc_tiles * p.Hq;
     int t = blockIdx.x;
@@ -258,16 +259,29 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
           copy(P.tma_q.with(ss.q_full, 0), tQg, tQs);
         }
-        while (i < n_keys) {
+        // K runs a key tile ahead of V (K_{i+1} before V_i, FlashAttention-3's order). A stage's
+        // K is free once its S GEMM is done, its V only after the P V a step later, and K is
+        // needed a step before V: loaded in the order K_i V_i, each K waited behind the V before it.
+        auto load_k = [&](int key_tile) {
           if (lane == 0) {
-            pipe_k.producer_acquire(write);
-            copy(P.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKg(_, i), tKs(_, write.index()));
-            pipe_v.producer_acquire(write);
-            copy(P.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVg(_, i), tVs(_, write.index()));
+            pipe_k.producer_acquire(write_k);
+            copy(P.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKg(_, key_tile), tKs(_, write_k.index()));
           }
-          __syncwarp();  // the stage is free (V of its previous tile consumed): its masks may be written
+          ++write_k;
+        };
+        load_k(i);
+        while (i < n_keys) {
+          if (i_next < n_keys) load_k(i_next);
+          if (lane == 0) {
+            pipe_v.producer_acquire(write_v);
+            copy(P.tma_v.with(*pipe_v.producer_get_barrier(write_v), 0), tVg(_, i), tVs(_, write_v.index()));
+          }
+          // The stage's V is free, so the softmax before its P V, the only reader of its masks and
+          // info, is done: they may be written (same index as key tile i's K stage).
+          __syncwarp();
+          const int stage = write_v.index();
           if (c == kPartial) {
-            ColMask* cols = ss.cols[write.index()];
+            ColMask* cols = ss.cols[stage];
             CUTE_UNROLL
             for (int col = lane; col < BN; col += 32) {
               const int tok = dt.kv_lo + i * BN + col;
@@ -276,12 +290,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
               cp_async_i32(&cols[col].pos, kv_pos + (valid ? tok : 0), valid);
             }
           }
-          cp_async_arrive(&ss.cols_full[write.index()]);  // every tile, so the phases follow the stages
+          cp_async_arrive(&ss.cols_full[stage]);  // every tile, so the phases follow the stages
           if (lane == 0) {
-            ss.stage_info[write.index()] = typename KT::StageInfo{c, i_next < n_keys};
-            mbar_arrive(&ss.cols_full[write.index()]);
+            ss.stage_info[stage] = typename KT::StageInfo{c, i_next < n_keys};
+            mbar_arrive(&ss.cols_full[stage]);
           }
-          ++write;
+          ++write_v;
           // Classified a tile ahead: a load of the walk's summaries overlaps the wait for a free
           // stage instead of delaying the stage info the consumers' softmax waits for.
           i = i_next;
@@ -461,7 +475,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     for (int idx = t_wg; idx < 64 * (D / 8); idx += 128) {
       const int r = wg * 64 + idx / (D / 8), col = (idx % (D / 8)) * 8;
       if (r < q_rows)
-        *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = lds_128(&sO(r, col));
+        stg_128(out_ptr + r * p.q_row + col, lds_128(&sO(r, col)));
     }
     if constexpr (!KT::kSeparateO) mbar_arrive(&ss.q_empty);
   }

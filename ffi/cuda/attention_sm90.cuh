@@ -109,6 +109,14 @@ __forceinline__ __device__ uint4 lds_128(const void* smem) {
   return v;
 }
 
+// 16 bytes to global memory as one vector store. A uint4 from an asm (lds_128) stored through a
+// uint4 pointer compiled to four 4-byte stores (PTX st.global.u32 x 4): 4x the store
+// instructions, each warp's spread over 32 separate 16-byte pieces.
+__forceinline__ __device__ void stg_128(void* gmem, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // threadIdx.x read through an asm the compiler cannot see into. In a persistent kernel's loop
 // over tiles, values derived from it (fragment coordinates, shared-memory addresses) are then
 // recomputed for each tile instead of being hoisted out of the loop and kept live, or spilled,
