@@ -251,7 +251,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         Tensor gK = local_tile(domain_offset(make_coord(dt.kv_lo, _0{}), mK(_, _, it.hk, dt.b)),
                                Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
-        auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        // Plain references, not a structured binding: load_k captures them (C++17 lambdas may not).
+        auto k_part = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto& tKg = get<0>(k_part);
+        auto& tKs = get<1>(k_part);
         Tensor gV = local_tile(domain_offset(make_coord(dt.kv_lo, _0{}), mV(_, _, it.hk, dt.b)),
                                Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
         auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
