@@ -73,21 +73,25 @@ struct FwdSm90Traits {
   struct StageInfo {
     int c, more;
   };
+  // Key tile m's info and masks go with its K, into slot m % kMaskSlots. Writing key tile m's K
+  // needs the stage of K_{m-2} released, i.e. S_{m-2} done, so the softmax of m - 4 (the slot's
+  // last reader) is done too.
+  static constexpr int kMaskSlots = 2 * kStages;
 
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     cute::array_aligned<Element, kSeparateO ? cosize_v<SmemLayoutQ> : 8, 128> o;
-    ColMask cols[kStages][kBN];  // key masks of a partial tile, in the stage of its K/V
+    ColMask cols[kMaskSlots][kBN];  // key masks of a partial key tile, in its mask slot
     ColMask rows[kBM];           // (segment, position) of the tile's query rows
     TileInfo info;
-    StageInfo stage_info[kStages];
+    StageInfo stage_info[kMaskSlots];
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     alignas(8) uint64_t q_full;     // Q landed (TMA transaction bytes)
     alignas(8) uint64_t info_full;  // info and rows written: 32 cp.async lanes + lane 0's store
     alignas(8) uint64_t q_empty;    // every consumer thread is done with sQ, info and rows
-    alignas(8) uint64_t cols_full[kStages];  // a stage's info and masks: 32 cp.async lanes + lane 0
+    alignas(8) uint64_t cols_full[kMaskSlots];  // a slot's info and masks: 32 cp.async lanes + lane 0
   };
   static constexpr int kInfoArrivals = 33;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
@@ -174,7 +178,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     TxBarrier::init(&ss.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&ss.info_full, KT::kInfoArrivals);
     cutlass::arch::ClusterBarrier::init(&ss.q_empty, KT::kConsumerThreads);
-    for (int st = 0; st < KT::kNStages; ++st) cutlass::arch::ClusterBarrier::init(&ss.cols_full[st], KT::kInfoArrivals);
+    for (int st = 0; st < KT::kMaskSlots; ++st) cutlass::arch::ClusterBarrier::init(&ss.cols_full[st], KT::kInfoArrivals);
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
@@ -187,13 +191,14 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     // ---------------- producer: warp 0; lane 0 issues every TMA load ----------------
     // Per tile: wait until the consumers are done with the previous tile's Q, info and rows,
     // publish the tile (info, rows: info_full), load Q (q_full), then stream its K/V tiles.
-    // The 32 lanes copy the key masks of each partial tile into the K/V stage it uses (cp.async,
-    // landing on cols_full), so the consumers read them from shared memory with no global load
-    // of their own and no barrier beyond that one.
-    // 72 x 128 + 216 x 256 = 168 x 384, the launch's registers. At 40 (232 for the consumers)
-    // the producer spilled ~230 bytes; the consumers need no more than 216 for any head dim
-    // (ptxas: no spills). H100, forward: window 1024 ~6%, D 256 ~3% faster.
-    cutlass::arch::warpgroup_reg_dealloc<72>();
+    // With each K the 32 lanes copy the key tile's masks, if it is partial, into its mask slot
+    // (cp.async, landing on cols_full), so the consumers read them from shared memory with no
+    // global load of their own and no barrier beyond that one.
+    // 88 x 128 + 208 x 256 = 168 x 384, the launch's registers. At 40 (232 for the consumers)
+    // the producer spilled ~230 bytes (H100, forward: window 1024 ~6%, D 256 ~3% slower than at
+    // 72), and at 72 it spills 16 bytes with D 64 since it classifies key tiles two ahead; the
+    // consumers need no more than 208 for any head dim (ptxas: no spills).
+    cutlass::arch::warpgroup_reg_dealloc<88>();
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     const int Sq = static_cast<int>(p.Sq), Skv = static_cast<int>(p.Skv);
@@ -265,45 +270,48 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // K runs a key tile ahead of V (K_{i+1} before V_i, FlashAttention-3's order). A stage's
         // K is free once its S GEMM is done, its V only after the P V a step later, and K is
         // needed a step before V: loaded in the order K_i V_i, each K waited behind the V before it.
-        auto load_k = [&](int key_tile) {
+        // The key tile's class, whether another follows and its masks go with its K, as the
+        // softmax right after its S GEMM reads them.
+        auto load_k = [&](int key_tile, int cls, bool more) {
+          const int slot = static_cast<int>(write_k.count() % KT::kMaskSlots);  // key tiles so far
           if (lane == 0) {
             pipe_k.producer_acquire(write_k);
             copy(P.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKg(_, key_tile), tKs(_, write_k.index()));
           }
           ++write_k;
-        };
-        load_k(i);
-        while (i < n_keys) {
-          if (i_next < n_keys) load_k(i_next);
-          if (lane == 0) {
-            pipe_v.producer_acquire(write_v);
-            copy(P.tma_v.with(*pipe_v.producer_get_barrier(write_v), 0), tVg(_, i), tVs(_, write_v.index()));
-          }
-          // The stage's V is free, so the softmax before its P V, the only reader of its masks and
-          // info, is done: they may be written (same index as key tile i's K stage).
-          __syncwarp();
-          const int stage = write_v.index();
-          if (c == kPartial) {
-            ColMask* cols = ss.cols[stage];
-            CUTE_UNROLL
+          __syncwarp();  // lane 0 acquired the stage: the mask slot is free (kMaskSlots)
+          if (cls == kPartial) {
+            ColMask* cols = ss.cols[slot];
+#pragma unroll 1  // two call sites: unrolled, the producer's registers ran out
             for (int col = lane; col < BN; col += 32) {
-              const int tok = dt.kv_lo + i * BN + col;
+              const int tok = dt.kv_lo + key_tile * BN + col;
               const bool valid = tok < p.Skv;  // past the end: seg 0, which no live row matches
               cp_async_i32(&cols[col].seg, kv_seg + (valid ? tok : 0), valid);
               cp_async_i32(&cols[col].pos, kv_pos + (valid ? tok : 0), valid);
             }
           }
-          cp_async_arrive(&ss.cols_full[stage]);  // every tile, so the phases follow the stages
+          cp_async_arrive(&ss.cols_full[slot]);  // every key tile, so the phases follow the slots
           if (lane == 0) {
-            ss.stage_info[stage] = typename KT::StageInfo{c, i_next < n_keys};
-            mbar_arrive(&ss.cols_full[stage]);
+            ss.stage_info[slot] = typename KT::StageInfo{cls, more ? 1 : 0};
+            mbar_arrive(&ss.cols_full[slot]);
+          }
+        };
+        // Key tiles i (its V next), i_next (its K next) and i_after, classified two ahead so that
+        // each K can say whether another key tile follows.
+        int c_after = kSkip;
+        int i_after = i_next < n_keys ? fwd_next_key_tile<BN>(p, dt, windows, n_keys, walk, i_next + 1, c_after) : n_keys;
+        load_k(i, c, i_next < n_keys);
+        while (i < n_keys) {
+          if (i_next < n_keys) load_k(i_next, c_next, i_after < n_keys);
+          if (lane == 0) {
+            pipe_v.producer_acquire(write_v);
+            copy(P.tma_v.with(*pipe_v.producer_get_barrier(write_v), 0), tVg(_, i), tVs(_, write_v.index()));
           }
           ++write_v;
-          // Classified a tile ahead: a load of the walk's summaries overlaps the wait for a free
-          // stage instead of delaying the stage info the consumers' softmax waits for.
           i = i_next;
-          c = c_next;
-          if (i < n_keys) i_next = fwd_next_key_tile<BN>(p, dt, windows, n_keys, walk, i + 1, c_next);
+          i_next = i_after;
+          c_next = c_after;
+          if (i_next < n_keys) i_after = fwd_next_key_tile<BN>(p, dt, windows, n_keys, walk, i_next + 1, c_after);
         }
       }
       t = __shfl_sync(0xffffffffu, t_next, 0);
@@ -316,7 +324,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   // Per key tile j: S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}, and the softmax
   // of S_j runs while the P V product is still on the tensor cores. The two warpgroups take turns
   // issuing (named barriers), so one's softmax overlaps the other's GEMMs.
-  cutlass::arch::warpgroup_reg_alloc<216>();
+  cutlass::arch::warpgroup_reg_alloc<208>();
   const int wg = (threadIdx.x - 128) / 128;
   typename KT::TiledMmaS mma_s;
   typename KT::TiledMmaO mma_o;
@@ -379,16 +387,15 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     clear(acc_o);
 
-    // The stage's info (written by the producer with its key masks): the key tile's class and
+    // The key tile's info (written by the producer with its K and key masks): its class and
     // whether another follows. Then mask (partial tiles only) and the online softmax of S_j,
-    // scaled in its exponent; corr[] rescales O. A partial tile's key masks stay in the stage
-    // until V of this tile is released after the next P V, which the producer waits for before
-    // rewriting them (and the info).
-    auto softmax = [&](int stage, int phase) {
-      mbar_wait(&ss.cols_full[stage], phase);
-      const typename KT::StageInfo si = ss.stage_info[stage];
+    // scaled in its exponent; corr[] rescales O.
+    auto softmax = [&](uint32_t key_tiles) {  // key tiles before this one: its slot and phase
+      const int slot = static_cast<int>(key_tiles % KT::kMaskSlots);
+      mbar_wait(&ss.cols_full[slot], (key_tiles / KT::kMaskSlots) & 1);
+      const typename KT::StageInfo si = ss.stage_info[slot];
       if (si.c == kPartial) {
-        const ColMask* cols = ss.cols[stage];
+        const ColMask* cols = ss.cols[slot];
         CUTE_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
           const ColMask cm = cols[get<1>(tScS_rc(0, ni))];
@@ -418,9 +425,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_s);
     pipe_k.consumer_release(read_k);
-    int stage = read_k.index(), phase = read_k.phase();
+    uint32_t key_tiles = read_k.count();
     ++read_k;
-    bool more = softmax(stage, phase);
+    bool more = softmax(key_tiles);
     convert_into(rP, acc_s);
     while (more) {
       pipe_k.consumer_wait(read_k);
@@ -435,10 +442,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       warpgroup_wait<1>();  // S_j is ready; P V still running
       warpgroup_fence_operand(acc_s);
       pipe_k.consumer_release(read_k);
-      stage = read_k.index();
-      phase = read_k.phase();
+      key_tiles = read_k.count();
       ++read_k;
-      more = softmax(stage, phase);
+      more = softmax(key_tiles);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_o);
       warpgroup_fence_operand(rP);
