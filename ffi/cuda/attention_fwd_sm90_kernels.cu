@@ -65,12 +65,12 @@ struct FwdSm90Traits {
   static constexpr bool kSeparateO = kHeadDim <= 128;
 
   // What the producer tells the consumers about their next tile (b < 0: no tiles left; work 0:
-  // no key to visit) and about each key tile it loads into a stage (its class, and whether
+  // no key to visit) and about each key tile it loads (its class, and whether
   // another key tile of the same query tile follows): the consumers walk no plan of their own.
   struct TileInfo {
     int b, h, q0, rows, work;
   };
-  struct StageInfo {
+  struct KeyTileInfo {
     int c, more;
   };
   // Key tile m's info and masks go with its K, into slot m % kMaskSlots. Writing key tile m's K
@@ -86,7 +86,7 @@ struct FwdSm90Traits {
     ColMask cols[kMaskSlots][kBN];  // key masks of a partial key tile, in its mask slot
     ColMask rows[kBM];           // (segment, position) of the tile's query rows
     TileInfo info;
-    StageInfo stage_info[kMaskSlots];
+    KeyTileInfo key_info[kMaskSlots];
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     alignas(8) uint64_t q_full;     // Q landed (TMA transaction bytes)
     alignas(8) uint64_t info_full;  // info and rows written: 32 cp.async lanes + lane 0's store
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           }
           cp_async_arrive(&ss.cols_full[slot]);  // every key tile, so the phases follow the slots
           if (lane == 0) {
-            ss.stage_info[slot] = typename KT::StageInfo{cls, more ? 1 : 0};
+            ss.key_info[slot] = typename KT::KeyTileInfo{cls, more ? 1 : 0};
             mbar_arrive(&ss.cols_full[slot]);
           }
         };
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     auto softmax = [&](uint32_t key_tiles) {  // key tiles before this one: its slot and phase
       const int slot = static_cast<int>(key_tiles % KT::kMaskSlots);
       mbar_wait(&ss.cols_full[slot], (key_tiles / KT::kMaskSlots) & 1);
-      const typename KT::StageInfo si = ss.stage_info[slot];
+      const typename KT::KeyTileInfo si = ss.key_info[slot];
       if (si.c == kPartial) {
         const ColMask* cols = ss.cols[slot];
         CUTE_UNROLL
