@@ -3,6 +3,7 @@
 // attention_device.cuh (cute/tensor.hpp must come first).
 #pragma once
 #include "attention_device.cuh"
+#include "vector_store.cuh"
 
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90.hpp>
@@ -107,14 +108,6 @@ __forceinline__ __device__ uint4 lds_128(const void* smem) {
                : "r"(a)
                : "memory");
   return v;
-}
-
-// 16 bytes to global memory as one vector store. A uint4 from an asm (lds_128) stored through a
-// uint4 pointer compiled to four 4-byte stores (PTX st.global.u32 x 4): 4x the store
-// instructions, each warp's spread over 32 separate 16-byte pieces.
-__forceinline__ __device__ void stg_128(void* gmem, const uint4& v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
 }
 
 // threadIdx.x read through an asm the compiler cannot see into. In a persistent kernel's loop

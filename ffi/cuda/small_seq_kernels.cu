@@ -27,6 +27,7 @@
 #include <utility>
 
 #include "small_seq_kernels.h"
+#include "vector_store.cuh"
 
 namespace jaxcp::cuda {
 namespace {
@@ -117,7 +118,7 @@ __device__ __forceinline__ uint4 lds16(const T* p) {
 
 template <typename T>
 __device__ __forceinline__ void stg16(T* p, const uint4& u) {
-  *reinterpret_cast<uint4*>(p) = u;
+  stg_128(p, u);  // through a uint4 pointer, pack8's results left as four 4-byte stores
 }
 
 // ---------------------------------------------------------------- cp.async (sm_80+)
