@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "attention_fwd.cuh"
+#include "../common/env_flag.h"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -311,10 +312,7 @@ FwdWorkspace fwd_workspace(const AttentionShape& s) {
 
 // JAXCP_FWD_FIXED_TILES=1 (a development aid, for measuring document tiles) gives the sm_90a
 // kernel query tiles of 128 rows from token 0.
-bool fwd_fixed_tiles_by_env() {
-  const char* env = std::getenv("JAXCP_FWD_FIXED_TILES");
-  return env != nullptr && env[0] != '\0' && env[0] != '0';
-}
+bool fwd_fixed_tiles_by_env() { return env_flag("JAXCP_FWD_FIXED_TILES"); }
 
 }  // namespace detail
 

@@ -20,6 +20,7 @@
 #include "attention_plan.cuh"
 
 #include "attention_sm90.cuh"
+#include "../common/env_flag.h"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -554,16 +555,10 @@ bool sm90_kernels_available() {
   return ok;
 }
 
-bool sm90_disabled_by_env() {
-  const char* env = std::getenv("JAXCP_DISABLE_SM90");
-  return env != nullptr && env[0] != '\0' && env[0] != '0';
-}
+bool sm90_disabled_by_env() { return env_flag("JAXCP_DISABLE_SM90"); }
 
 // JAXCP_FORCE_SM90=1 (a development aid, for measuring the rule below) skips the shape rule.
-static bool sm90_forced_by_env() {
-  const char* env = std::getenv("JAXCP_FORCE_SM90");
-  return env != nullptr && env[0] != '\0' && env[0] != '0';
-}
+static bool sm90_forced_by_env() { return env_flag("JAXCP_FORCE_SM90"); }
 
 bool fwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;

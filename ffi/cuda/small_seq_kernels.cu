@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../common/env_flag.h"
 #include "small_seq_kernels.h"
 #include "vector_store.cuh"
 
@@ -1016,17 +1017,12 @@ Params make_params(const SmallSeqArgs& a) {
   return p;
 }
 
-// JAXCP_SMALL_SEQ_FWD_V1 / JAXCP_SMALL_SEQ_BWD_V1 (non-empty, not "0") select the CUDA-core
-// forward / backward, for A/B runs. Read at every launch so that one process (a test, a
-// benchmark) can switch between calls.
-bool env_selected(const char* name) {
-  const char* env = std::getenv(name);
-  return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
-}
+// JAXCP_SMALL_SEQ_FWD_V1 / JAXCP_SMALL_SEQ_BWD_V1 (env_flag) select the CUDA-core forward /
+// backward, for A/B runs.
 
 template <typename T, int D>
 cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  if (env_selected("JAXCP_SMALL_SEQ_FWD_V1"))
+  if (env_flag("JAXCP_SMALL_SEQ_FWD_V1"))
     return launch_default(small_seq_fwd_kernel<T, D>, a, Pass::kFwdV1, p, s);
   const size_t per_warp = warp_smem_bytes(a, Pass::kFwd);
   BlockShape shape;
@@ -1038,7 +1034,7 @@ cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
 template <typename T, int D>
 cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
   // The tensor-core backward keeps the dS of at most 16 heads in registers.
-  if (env_selected("JAXCP_SMALL_SEQ_BWD_V1") || p.group > 16)
+  if (env_flag("JAXCP_SMALL_SEQ_BWD_V1") || p.group > 16)
     return launch_default(small_seq_bwd_kernel<T, D>, a, Pass::kBwdV1, p, s);
   const size_t per_warp = warp_smem_bytes(a, Pass::kBwd);
   BlockShape shape;
