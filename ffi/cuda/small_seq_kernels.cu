@@ -21,8 +21,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -1019,7 +1017,6 @@ Params make_params(const SmallSeqArgs& a) {
 
 // JAXCP_SMALL_SEQ_FWD_V1 / JAXCP_SMALL_SEQ_BWD_V1 (env_flag) select the CUDA-core forward /
 // backward, for A/B runs.
-
 template <typename T, int D>
 cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
   if (env_flag("JAXCP_SMALL_SEQ_FWD_V1"))
