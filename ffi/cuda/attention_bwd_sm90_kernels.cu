@@ -61,13 +61,6 @@ __forceinline__ __device__ void store_fragment_pairs(TD&& dst, TS const& src) {
     *reinterpret_cast<uint32_t*>(&dst(2 * e)) = reinterpret_cast<const uint32_t*>(src.data())[e];
 }
 
-// a if kFirst, else b (a reference either way). As a lambda returning a captured variable, nvcc
-// warned "returning reference to local variable".
-template <bool kFirst, class A, class B>
-__forceinline__ __device__ auto& first_if(A& a, B& b) {
-  if constexpr (kFirst) return a; else return b;
-}
-
 template <class KT>
 struct BwdSm90Params {
   BwdParams p;
@@ -162,10 +155,14 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       copy(P.tma_k.with(ss.kv_full, 0), tKg, tKs);
       copy(P.tma_v.with(ss.kv_full, 0), tVg, tVs);
     }
-    // One state for both pipelines when they have the same depth (fewer live registers).
+    // One state for both pipelines when they have the same depth (fewer live registers). Picked
+    // by pointer: a lambda returning the captured variable by reference made nvcc warn
+    // "returning reference to local variable".
     auto write_q = cutlass::make_producer_start_state<PipelineQ>();
     auto write_do_own = cutlass::make_producer_start_state<PipelineDO>();
-    auto& write_do = first_if<KT::kStagesQ == KT::kStagesDO>(write_q, write_do_own);
+    auto& write_do = *[&] {
+      if constexpr (KT::kStagesQ == KT::kStagesDO) return &write_q; else return &write_do_own;
+    }();
     int h = w.h_begin, i = i_first, c = cls_first;
     bool more = true;
     do {
@@ -239,7 +236,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     TxBarrier::wait(&ss.kv_full, 0);
     typename PipelineQ::PipelineState read_q;
     typename PipelineDO::PipelineState read_do_own;
-    auto& read_do = first_if<KT::kStagesQ == KT::kStagesDO>(read_q, read_do_own);
+    auto& read_do = *[&] {
+      if constexpr (KT::kStagesQ == KT::kStagesDO) return &read_q; else return &read_do_own;
+    }();
     int ds_stage = 0, n_partial = 0;
     bool more = true;
     do {
