@@ -2,7 +2,6 @@
 // in float32 (log2 domain), LSE saved. Each block owns one (query tile, head, batch) and walks only
 // the key tiles its tile plan does not skip; "full" tiles run without any per-element mask.
 #include <climits>
-#include <cstdlib>
 
 #include "attention_fwd.cuh"
 #include "../common/env_flag.h"

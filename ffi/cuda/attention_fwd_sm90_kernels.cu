@@ -14,7 +14,6 @@
 // windows, chunks) no longer pays a CTA start, its plan lookups and its first loads. Built only
 // for sm_90a; elsewhere the body is empty and the host never launches it (fwd_use_sm90).
 #include <climits>
-#include <cstdlib>
 
 #include "attention_fwd.cuh"
 #include "attention_plan.cuh"
