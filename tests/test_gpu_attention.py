@@ -31,7 +31,7 @@ def _qkv(seed, b, sq, skv, hq, hkv, d, dtype):
   return q, k, v, do
 
 
-def _compare(q, k, v, do, dtype, **kw):
+def _compare(q, k, v, do, dtype, backward=True, **kw):
   # Segment ids and positions go in as jit arguments: as closure constants XLA would fold the
   # reference's whole mask at compile time (about a minute at S = 1900).
   arrays = {n: jnp.asarray(x) for n, x in kw.items() if isinstance(x, (np.ndarray, jax.Array))}
@@ -39,6 +39,8 @@ def _compare(q, k, v, do, dtype, **kw):
 
   def run(impl, q, k, v, arrays):
     f = lambda q, k, v: jaxcp.attention(q, k, v, implementation=impl, return_residual=True, **arrays, **static)
+    if not backward:
+      return *f(q, k, v), ()
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return out, lse, vjp((do, jnp.zeros_like(lse)))
 
@@ -92,6 +94,28 @@ def test_head_dim_256_backward(case):
     seg = random_segments(rng, 2, 300, mean_doc=90)
     seg[1, 150:] = 0  # a row half padding: its queries attend nothing, their gradients are zero
     _compare(*_qkv(9, 2, 300, 300, 4, 4, 256, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, jnp.bfloat16), (128, jnp.bfloat16), (256, jnp.bfloat16),
+                                             (128, jnp.float16)])
+def test_forward_reference_max_moves(head_dim, dtype):
+  """Scores that climb along the keys, faster for some rows than for others. The sm_90a
+  forward's softmax keeps a reference max until a key tile's max passes it by more than 8 in
+  log2 units (kLazyMaxSlack in attention_device.cuh), and rescales O only in warps where a row's
+  reference moved. Here references drift below the max for a few tiles (first half of the row),
+  then move on every tile (second half), at different tiles for different rows of a warp."""
+  s = 1024
+  rng = np.random.default_rng(9)
+  seg = random_segments(rng, 2, s, mean_doc=400)
+  q, k, v, do = _qkv(9, 2, s, s, 4, 2, head_dim, dtype)
+  j = np.arange(s)
+  climb = np.where(j < s // 2, 3.0 * j / 64, 24.0 + 12.0 * (j - s // 2) / 64)  # in log2 units
+  scale_log2 = np.log2(np.e) / np.sqrt(head_dim)
+  k = k.at[..., 0].set(jnp.asarray(climb / scale_log2, dtype)[None, :, None])
+  q = q.at[..., 0].set(1 + 0.25 * q[..., 0])
+  # Forward only: the backward does not keep a running max, and its dQ is ill-conditioned here
+  # (large, nearly equal k[0] cancel), on the CPU kernel too.
+  _compare(q, k, v, do, dtype, backward=False, segment_ids=seg, is_causal=True)
 
 
 def test_length_one_documents_and_empty_rows():

@@ -259,16 +259,32 @@ __forceinline__ __device__ float quad_sum(float x) {
 // max (scaled) and sum over the quad that shares a row, replaces s by exp2(s scale - max) and
 // leaves in corr[] the factor that rescales earlier partials. The scale is folded into the
 // exponent's FFMA: the max of the raw scores times a positive scale is the max of the scaled.
-template <class S, int kRows>
-__forceinline__ __device__ void online_softmax(S& s, float scale, float (&row_max)[kRows], float (&row_sum)[kRows],
+//
+// kLazy (FlashAttention-4's conditional rescaling): row_max is a reference, not the max. It moves
+// only when a tile's max passes it by more than kLazyMaxSlack, so the exponents stay <= 2^8 (no
+// overflow, even in fp16 P) and corr[] is exactly 1 for the rows it did not move. O, the sum
+// and the LSE all use the same reference, so only the rounding changes. Returns whether any of
+// this thread's references moved: when none did in a whole warp, O needs no rescaling.
+constexpr float kLazyMaxSlack = 8.f;
+
+template <bool kLazy = false, class S, int kRows>
+__forceinline__ __device__ bool online_softmax(S& s, float scale, float (&row_max)[kRows], float (&row_sum)[kRows],
                                                float (&corr)[kRows]) {
   constexpr int kCols = decltype(size<1>(s))::value;
+  bool moved = false;
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     float mx = -INFINITY;
     CUTE_UNROLL
     for (int ni = 0; ni < kCols; ++ni) mx = fmaxf(mx, s(mi, ni));
-    mx = fmaxf(row_max[mi], quad_max(mx) * scale);
+    if constexpr (kLazy) {
+      mx = quad_max(mx) * scale;
+      const bool up = mx > row_max[mi] + kLazyMaxSlack;  // a reference of -inf moves to any finite max
+      moved |= up;
+      mx = up ? mx : row_max[mi];
+    } else {
+      mx = fmaxf(row_max[mi], quad_max(mx) * scale);
+    }
     const float m_use = mx == -INFINITY ? 0.f : mx;  // all masked so far: exp2(-inf - 0) = 0
     corr[mi] = exp2f(row_max[mi] - m_use);
     row_max[mi] = mx;
@@ -281,6 +297,7 @@ __forceinline__ __device__ void online_softmax(S& s, float scale, float (&row_ma
     }
     row_sum[mi] = row_sum[mi] * corr[mi] + sum;
   }
+  return moved;
 }
 
 // Per-element masks (RowMask, ColMask, make_row_mask, make_col_mask, allowed): ../common/mask.h,

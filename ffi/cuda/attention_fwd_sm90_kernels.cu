@@ -377,6 +377,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     RowMask rm[kRows];
     float row_max[kRows], row_sum[kRows], corr[kRows];
+    bool rescale = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       const int r = get<0>(tScS_rc(mi, 0));
@@ -404,10 +405,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             if (!allowed(rm[mi], cm)) s_rc(mi, ni) = -INFINITY;
         }
       }
-      online_softmax(s_rc, p.scale_log2, row_max, row_sum, corr);  // scale_log2 > 0: fwd_use_sm90
+      // scale_log2 > 0: fwd_use_sm90. A warp rescales O only when one of its rows' reference moved.
+      rescale = __any_sync(0xffffffffu, online_softmax<true>(s_rc, p.scale_log2, row_max, row_sum, corr));
       return si.more != 0;
     };
     auto rescale_o = [&]() {
+      if (!rescale) return;
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         CUTE_UNROLL
@@ -428,6 +431,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     uint32_t key_tiles = read_k.count();
     ++read_k;
     bool more = softmax(key_tiles);
+    rescale = false;  // O is still zero
     convert_into(rP, acc_s);
     while (more) {
       pipe_k.consumer_wait(read_k);
