@@ -20,6 +20,20 @@ def test_bench_attention_quick(tmp_path):
   assert (tmp_path / "attention.md").read_text().startswith("Device:")
 
 
+def test_accuracy_quick(tmp_path):
+  """The accuracy script runs, and the CPU kernel's bf16 output is within bf16 rounding of the
+  float64 reference (its own rounding of the output alone is about 1.5e-3)."""
+  sys.path.insert(0, BENCH)
+  try:
+    import accuracy_attention
+    accuracy_attention.main(["--quick", "--out", str(tmp_path)])
+  finally:
+    sys.path.remove(BENCH)
+  data = json.loads((tmp_path / "accuracy.json").read_text())
+  errs = [r["rel_err_vs_f64"]["jaxcp"] for r in data["results"]]
+  assert len(errs) == 2 and all(0 < e < 4e-3 for e in errs), errs
+
+
 def test_cudnn_packed_args_are_starts_only():
   """JAX's packed cuDNN form takes document starts, -1 after the last (an end offset would shift
   every later row of the batch by one document)."""

@@ -96,14 +96,19 @@ def test_head_dim_256_backward(case):
     _compare(*_qkv(9, 2, 300, 300, 4, 4, 256, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
 
 
+@pytest.mark.parametrize("kernel", ["sm90", "sm80"])
 @pytest.mark.parametrize("head_dim,dtype", [(64, jnp.bfloat16), (128, jnp.bfloat16), (256, jnp.bfloat16),
                                              (128, jnp.float16)])
-def test_forward_reference_max_moves(head_dim, dtype):
+def test_forward_reference_max_moves(head_dim, dtype, kernel, monkeypatch):
   """Scores that climb along the keys, faster for some rows than for others. The sm_90a
   forward's softmax keeps a reference max until a key tile's max passes it by more than 8 in
   log2 units (kLazyMaxSlack in attention_device.cuh), and rescales O only in warps where a row's
   reference moved. Here references drift below the max for a few tiles (first half of the row),
-  then move on every tile (second half), at different tiles for different rows of a warp."""
+  then move on every tile (second half), at different tiles for different rows of a warp.
+  "sm80": the sm_80 forward (forced on Hopper by JAXCP_DISABLE_SM90), which keeps the running max,
+  on the same scores."""
+  if kernel == "sm80":
+    monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   s = 1024
   rng = np.random.default_rng(9)
   seg = random_segments(rng, 2, s, mean_doc=400)
