@@ -1,4 +1,5 @@
 """The benchmark scripts run end to end (tiny shapes, CPU) and write their outputs."""
+import importlib
 import json
 import os
 import sys
@@ -8,13 +9,17 @@ import numpy as np
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
-def test_bench_attention_quick(tmp_path):
+def _run_quick(script, out_dir):
+  """Runs benchmarks/<script>.py's main with --quick, writing to out_dir."""
   sys.path.insert(0, BENCH)
   try:
-    import bench_attention
-    bench_attention.main(["--quick", "--out", str(tmp_path)])
+    importlib.import_module(script).main(["--quick", "--out", str(out_dir)])
   finally:
     sys.path.remove(BENCH)
+
+
+def test_bench_attention_quick(tmp_path):
+  _run_quick("bench_attention", tmp_path)
   data = json.loads((tmp_path / "attention.json").read_text())
   assert all("jaxcp" in r and "fwd_ms" in r["jaxcp"] for r in data["results"])
   assert (tmp_path / "attention.md").read_text().startswith("Device:")
@@ -23,12 +28,7 @@ def test_bench_attention_quick(tmp_path):
 def test_accuracy_quick(tmp_path):
   """The accuracy script runs, and the CPU kernel's bf16 output is within bf16 rounding of the
   float64 reference (its own rounding of the output alone is about 1.5e-3)."""
-  sys.path.insert(0, BENCH)
-  try:
-    import accuracy_attention
-    accuracy_attention.main(["--quick", "--out", str(tmp_path)])
-  finally:
-    sys.path.remove(BENCH)
+  _run_quick("accuracy_attention", tmp_path)
   data = json.loads((tmp_path / "accuracy.json").read_text())
   errs = [r["rel_err_vs_f64"]["jaxcp"] for r in data["results"]]
   assert len(errs) == 2 and all(0 < e < 4e-3 for e in errs), errs
