@@ -51,11 +51,6 @@ def reference_f64(q, k, v, seg, pos):
   return out
 
 
-def _rel_err(out, ref, live):
-  d = (np.asarray(jnp.asarray(out, jnp.float32), np.float64) - ref)[live]
-  return float(np.linalg.norm(d) / np.linalg.norm(ref[live]))
-
-
 def _with_env(name, value, fn):
   """fn with an environment switch set around each call (jaxcp reads it at every call)."""
   def wrapped(*args):
@@ -96,7 +91,7 @@ def main(argv=None):
       k = jax.random.normal(jax.random.fold_in(key, 1), (batch, seq, KV_HEADS, head_dim), dtype)
       v = jax.random.normal(jax.random.fold_in(key, 2), (batch, seq, KV_HEADS, head_dim), dtype)
       ref = reference_f64(q, k, v, seg, pos)
-      errs = {name: _rel_err(fn(q, k, v), ref, live) for name, fn in impls.items()}
+      errs = {name: ba._rel_err(fn(q, k, v), ref, live) for name, fn in impls.items()}
       results.append(dict(head_dim=head_dim, dtype=jnp.dtype(dtype).name, spread=spread, rel_err_vs_f64=errs))
       print(head_dim, jnp.dtype(dtype).name, f"x{spread:g}", {n: f"{e:.2e}" for n, e in errs.items()}, flush=True)
   names = list(results[0]["rel_err_vs_f64"])
