@@ -30,7 +30,7 @@ struct BwdParams {
   const TileSummary* q_sum;   // [B, nq]
   const TileSummary* kv_sum;  // [B, nkv]
   const TileRange* kv_range;  // [B, nkv]: query tiles per key tile
-  const int* kv_order;        // [B * nkv]: (b * nkv + n) key tiles, heaviest first
+  const int* kv_order;        // [B * nkv]: (b * nkv + n) key tiles, heaviest first (or in index order)
   int head_chunk;             // (kv head, split) pairs per scheduling chunk, divides Hkv*splits
   int nq, nkv;
   // dQ kernel plan: query tiles of kBwdBlockM, key tiles of dq_block_n(D).
@@ -48,7 +48,8 @@ struct BwdParams {
 
 // The work of one dK/dV block: one key tile of one kv head (or a split of its GQA group). The
 // (head, split) pairs are cut into chunks of head_chunk; chunks run one after the other, inside a
-// chunk key tiles go heaviest first with the pairs of a tile on consecutive blocks. Small chunks
+// chunk key tiles go in kv_order (heaviest first, or in index order when every tile is light: see
+// kBwdIndexOrderMaxWork) with the pairs of a tile on consecutive blocks. Small chunks
 // keep the blocks running together on few heads (their Q / dO stay in L2); chunks of >= ~4
 // waves keep the longest-first order.
 struct BwdBlock {

@@ -71,8 +71,10 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
                                int64_t batch, const MaskParams& mask, bool rows_are_q, TileRange* out,
                                cudaStream_t stream);
 
-// order[0..n) = indices of ranges[0..n) by decreasing range length (heaviest blocks first).
-cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int* order, cudaStream_t stream);
+// order[0..n) = indices of ranges[0..n) by decreasing range length (heaviest blocks first), or
+// in increasing index when no range is longer than index_order_max_work (0: never).
+cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int index_order_max_work, int* order,
+                                 cudaStream_t stream);
 
 // Document-aligned query tiles of the sm_90a forward (attention_doc_tiles_kernels.cu): rows
 // [q0, q0 + rows) of batch row b (rows <= kFwdBlockM), their summary, and the keys

@@ -364,7 +364,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
     if ((err = launch_tile_ranges(q_sum, nq, q_tok, kv_sum, nkv, kv_tok, s.batch, a.mask, /*rows_are_q=*/true,
                                   q_range, stream)))
       return err;
-    if ((err = launch_tile_schedule(q_range, s.batch * nq, order, stream))) return err;
+    if ((err = launch_tile_schedule(q_range, s.batch * nq, /*index_order_max_work=*/0, order, stream))) return err;
   }
 
   detail::FwdParams p;

@@ -28,10 +28,20 @@ __device__ inline int2 allowed_key_span(const int32_t* q_seg, const int32_t* q_p
     cm[i] = make_col_mask(valid, k_seg[valid ? k : 0], k_pos[valid ? k : 0]);
     any[i] = false;
   }
-  for (int r = 0; r < nq; ++r) {
-    const RowMask rm = make_row_mask(true, q_seg[r], q_pos[r], m);
-    CUTE_UNROLL
-    for (int i = 0; i < kPerLane; ++i) any[i] |= allowed(rm, cm[i]);
+  // Lane l builds the masks of rows l, l + 32, ..., handed to the warp by shuffles, rather than
+  // every lane building every row's (a 64-bit division per row with chunks).
+  for (int r0 = 0; r0 < nq; r0 += 32) {
+    const int mine = r0 + lane < nq ? r0 + lane : r0;
+    const RowMask own = make_row_mask(true, q_seg[mine], q_pos[mine], m);
+    const int rows = nq - r0 < 32 ? nq - r0 : 32;
+    for (int j = 0; j < rows; ++j) {
+      RowMask rm;
+      rm.seg = __shfl_sync(0xffffffffu, own.seg, j);
+      rm.lo = __shfl_sync(0xffffffffu, own.lo, j);
+      rm.hi = __shfl_sync(0xffffffffu, own.hi, j);
+      CUTE_UNROLL
+      for (int i = 0; i < kPerLane; ++i) any[i] |= allowed(rm, cm[i]);
+    }
   }
   int2 span = make_int2(INT_MAX, -1);
   CUTE_UNROLL

@@ -120,21 +120,37 @@ constexpr int kSchedThreads = 1024, kSchedBuckets = 2 * kSchedThreads;
 // order = tile indices sorted by decreasing work (number of partner tiles in range, bucketed),
 // so that the heaviest blocks start first (longest-processing-time-first: a shorter tail).
 // Counting sort in one block; the order inside a bucket is arbitrary (results never depend on
-// it: every output tile is owned by exactly one block).
+// it: every output tile is owned by exactly one block). When no tile has more than
+// index_order_max_work partners, the tail is short anyway and order is the identity: neighbouring
+// tiles then run together and share their partners' data in L2.
 __global__ void __launch_bounds__(kSchedThreads) tile_schedule_kernel(
-    const TileRange* __restrict__ ranges, int64_t n, int* __restrict__ order) {
+    const TileRange* __restrict__ ranges, int64_t n, int index_order_max_work, int* __restrict__ order) {
   __shared__ int hist[kSchedBuckets];
   __shared__ int warp_sum[kSchedThreads / 32];
+  __shared__ int max_work;
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
-  auto bucket_of = [&](int64_t i) {
+  auto work_of = [&](int64_t i) {
     const TileRange r = ranges[i];
-    const int w = r.y > r.x ? r.y - r.x : 0;
+    return r.y > r.x ? r.y - r.x : 0;
+  };
+  auto bucket_of = [&](int64_t i) {
+    const int w = work_of(i);
     return kSchedBuckets - 1 - (w < kSchedBuckets - 1 ? w : kSchedBuckets - 1);
   };
   for (int i = t; i < kSchedBuckets; i += kSchedThreads) hist[i] = 0;
+  if (t == 0) max_work = 0;
   __syncthreads();
-  for (int64_t i = t; i < n; i += kSchedThreads) atomicAdd(&hist[bucket_of(i)], 1);
+  int own_max = 0;
+  for (int64_t i = t; i < n; i += kSchedThreads) {
+    atomicAdd(&hist[bucket_of(i)], 1);
+    own_max = max(own_max, work_of(i));
+  }
+  atomicMax(&max_work, own_max);
   __syncthreads();
+  if (max_work <= index_order_max_work) {
+    for (int64_t i = t; i < n; i += kSchedThreads) order[i] = static_cast<int>(i);
+    return;
+  }
   // Exclusive scan of the histogram: 2 buckets per thread.
   const int a0 = hist[2 * t], a1 = hist[2 * t + 1], sum = a0 + a1;
   int x = sum;
@@ -162,10 +178,11 @@ __global__ void __launch_bounds__(kSchedThreads) tile_schedule_kernel(
 
 }  // namespace
 
-cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int* order, cudaStream_t stream) {
+cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int index_order_max_work, int* order,
+                                 cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (n > INT_MAX) return cudaErrorInvalidValue;
-  tile_schedule_kernel<<<1, kSchedThreads, 0, stream>>>(ranges, n, order);
+  tile_schedule_kernel<<<1, kSchedThreads, 0, stream>>>(ranges, n, index_order_max_work, order);
   return cudaGetLastError();
 }
 
