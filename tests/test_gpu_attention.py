@@ -167,6 +167,19 @@ def test_one_row_of_256k_forward_and_backward_fits():
     assert np.isfinite(np.asarray(jnp.abs(g.astype(jnp.float32)).max()))
 
 
+@pytest.mark.parametrize("doc", [4096, 4160], ids=["index_order", "heaviest_first"])
+def test_backward_key_tile_orders(doc):
+  """The sm_90a backward runs its key tiles in index order while none walks more than 64 query
+  tiles (kBwdIndexOrderMaxWork), else heaviest first: both orders must give the gradients. One
+  causal document of `doc` tokens (its first key tile walks doc / 64 query tiles), a short one,
+  then padding."""
+  s = doc + 192
+  seg = np.zeros((1, s), np.int32)
+  seg[0, :doc] = 1
+  seg[0, doc:doc + 100] = 2
+  _compare(*_qkv(7, 1, s, s, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
+
+
 def test_default_implementation_picks_cuda():
   q, k, v, _ = _qkv(6, 1, 128, 128, 2, 2, 128, jnp.bfloat16)
   hlo = jax.jit(lambda q, k, v: jaxcp.attention(q, k, v, is_causal=True)).lower(q, k, v).as_text()
