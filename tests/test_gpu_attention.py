@@ -170,13 +170,13 @@ def test_one_row_of_256k_forward_and_backward_fits():
 @pytest.mark.parametrize("doc", [4096, 4160], ids=["index_order", "heaviest_first"])
 def test_backward_key_tile_orders(doc):
   """The sm_90a backward runs its key tiles in index order while none walks more than 64 query
-  tiles (kBwdIndexOrderMaxWork), else heaviest first: both orders must give the gradients. One
-  causal document of `doc` tokens (its first key tile walks doc / 64 query tiles), a short one,
-  then padding."""
-  s = doc + 192
-  seg = np.zeros((1, s), np.int32)
+  tiles (kBwdIndexOrderMaxWork), else heaviest first: both orders must give the gradients. A
+  causal document of `doc` tokens, whose first key tile walks doc / 64 query tiles, then one of
+  128. No padding: a query tile holding padding and a document summarizes as segments [0, 2],
+  which no key tile of document 1 can skip, and would lengthen that walk."""
+  s = doc + 128
+  seg = np.full((1, s), 2, np.int32)
   seg[0, :doc] = 1
-  seg[0, doc:doc + 100] = 2
   _compare(*_qkv(7, 1, s, s, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
 
 

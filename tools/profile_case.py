@@ -46,7 +46,12 @@ def small_seq_fn(name, backward):
 
 def attention_case(name):
   """A bench_attention case by name, or `fixed:B:S:DOC[:WINDOW]` (every document DOC tokens long;
-  causal, within a window of WINDOW keys if given)."""
+  causal, within a window of WINDOW keys if given); either with `+padN`: the rows' last N tokens
+  are padding (the documents cut there)."""
+  if "+pad" in name:
+    name, pad = name.split("+pad")
+    case, rows = attention_case(name)
+    return case, padded_rows(rows, case.seq_len - int(pad))
   if name.startswith("fixed:"):
     b, s, doc, *window = (int(x) for x in name.split(":")[1:])
     rows = [[doc] * (s // doc) + ([s % doc] if s % doc else []) for _ in range(b)]
@@ -56,6 +61,21 @@ def attention_case(name):
   rows = common.packed_rows(rng, case.batch, case.seq_len, case.mean_doc) if case.mean_doc else \
       [[case.seq_len]] * case.batch
   return case, rows
+
+
+def padded_rows(rows, live):
+  """Document lengths cut to the first `live` tokens of each row (the rest becomes padding)."""
+  out = []
+  for lengths in rows:
+    kept, total = [], 0
+    for n in lengths:
+      n = min(n, live - total)
+      if n <= 0:
+        break
+      kept.append(n)
+      total += n
+    out.append(kept)
+  return out
 
 
 def attention_fn(name, backward):

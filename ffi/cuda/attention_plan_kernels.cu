@@ -42,10 +42,14 @@ __device__ bool tokens_interact(const TileTokens& q, int64_t q0, int nq, const T
   return detail::allowed_key_span(q.seg + qa, q.pos + qa, nq, kv.seg + ka, kv.pos + ka, nk, m).x != INT_MAX;
 }
 
-// One warp per row tile scans all column tiles. With a window or chunks, the ends of the range
-// are then checked pair by pair and tiles with no allowed pair dropped (with the skipped run
-// behind them): otherwise the kernels would compute such a tile, and walk the run of skipped
-// tiles between it and the window one summary load at a time.
+// One warp per row tile scans all column tiles. The ends of the range are then checked pair by
+// pair and tiles with no allowed pair dropped (with the skipped run behind them): otherwise the
+// kernels would compute such a tile, and walk the run of skipped tiles between it and the rest
+// one summary load at a time. Such tiles: with a window or chunks, a document's start tile seen
+// from a window away; under any mask, the tile that ends the last document and starts the
+// padding. Its summary has segments [0, n] and positions from 0 (the padding's), so a causal key
+// tile of any document could skip it only past the last document's positions in that tile: the
+// walks of nearly all key tiles of a padded row ran to the row's end.
 // A row tile that holds the end of one document and the start of the next is ranged run by run
 // (each run of one segment id on its own summary) and the ranges joined: on the tile's summary
 // the next document's positions from 0 made every tile of the first document look causal-
@@ -77,7 +81,6 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
   }
   run_at[runs] = n_tok;
 
-  const bool trim = mask.window_left >= 0 || mask.window_right >= 0 || mask.chunk_size > 0;
   int first = INT_MAX, last = -1;
   for (int run = 0; run < runs; ++run) {
     const int lo = run_at[run], hi = run_at[run + 1];
@@ -94,7 +97,7 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
     };
     const int2 range = detail::warp_unskipped_range(n_cols, class_of);
     int f = range.x, l = range.y;
-    if (trim && f <= l) {
+    if (f <= l) {
       auto interacts = [&](int c) {
         const int64_t c0 = static_cast<int64_t>(c) * col_tokens.tile;
         const int nc = static_cast<int>(min(static_cast<int64_t>(col_tokens.tile), col_tokens.len - c0));
