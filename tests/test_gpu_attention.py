@@ -172,8 +172,8 @@ def test_backward_key_tile_orders(doc):
   """The sm_90a backward runs its key tiles in index order while none walks more than 64 query
   tiles (kBwdIndexOrderMaxWork), else heaviest first: both orders must give the gradients. A
   causal document of `doc` tokens, whose first key tile walks doc / 64 query tiles, then one of
-  128. No padding: a query tile holding padding and a document summarizes as segments [0, 2],
-  which no key tile of document 1 can skip, and would lengthen that walk."""
+  128 (no padding: before the plan trimmed every range's ends, a tile mixing padding and a
+  document lengthened that walk to 66, and the index-order case ran heaviest first)."""
   s = doc + 128
   seg = np.full((1, s), 2, np.int32)
   seg[0, :doc] = 1

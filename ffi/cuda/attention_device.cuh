@@ -64,7 +64,8 @@ constexpr int kMaxTileTokens = 128;  // the largest key tile launch_tile_ranges 
 // short document riding in a tile of a long one; more runs: the tile's summary as one run).
 constexpr int kMaxTileRuns = 4;
 // For every "row" tile (out [B, n_rows]) the range of "col" tiles that classify_tiles does not
-// skip, minus tiles at its ends that have no allowed pair (checked on the tokens). rows_are_q says which side of classify_tiles the row tiles are.
+// skip, minus tiles at its ends that have no allowed pair (checked on the tokens). rows_are_q
+// says which side of classify_tiles the row tiles are.
 cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileTokens& row_tokens,
                                const TileSummary* cols, int64_t n_cols, const TileTokens& col_tokens,
                                int64_t batch, const MaskParams& mask, bool rows_are_q, TileRange* out,
