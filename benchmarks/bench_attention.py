@@ -36,6 +36,7 @@ class Case:
   window: int | None = None   # keys within [q - window + 1, q]
   chunk: int | None = None
   xla: bool = False
+  pad: int = 0                # the rows' last `pad` tokens are padding (segment 0)
 
 
 GPU_CASES = [
@@ -49,12 +50,13 @@ GPU_CASES = [
     Case("4x16k doc4k chunk2048", 4, 16384, 4096, chunk=2048),
     Case("1x32k doc2k", 1, 32768, 2048),
     Case("1x64k doc1k", 1, 65536, 1024),
+    Case("1x64k doc1k pad300", 1, 65536, 1024, pad=300),
     Case("1x128k doc8k", 1, 131072, 8192),
     Case("1x128k doc8k 32/8", 1, 131072, 8192, q_heads=32, kv_heads=8),
 ]
 
 QUICK_CASES = [
-    Case("quick 2x256 doc64", 2, 256, 64, q_heads=4, kv_heads=2, head_dim=64, xla=True),
+    Case("quick 2x256 doc64", 2, 256, 64, q_heads=4, kv_heads=2, head_dim=64, xla=True, pad=20),
     Case("quick 1x512 doc128 win", 1, 512, 128, q_heads=2, kv_heads=2, head_dim=64, window=64, xla=True),
 ]
 
@@ -129,10 +131,16 @@ def _warm_calls(fn, q, k, v, dout):
   return calls
 
 
-def run_case(case: Case, dtype, quick: bool):
+def case_rows(case: Case):
+  """The document lengths of the case's rows (seeded: every run and tool draws the same)."""
   rng = np.random.default_rng(0)
   rows = common.packed_rows(rng, case.batch, case.seq_len, case.mean_doc) if case.mean_doc else \
       [[case.seq_len]] * case.batch
+  return common.padded_rows(rows, case.seq_len - case.pad) if case.pad else rows
+
+
+def run_case(case: Case, dtype, quick: bool):
+  rows = case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
   window = (case.window - 1, 0) if case.window else None
   pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)

@@ -88,6 +88,21 @@ def packed_rows(rng: np.random.Generator, batch: int, seq_len: int, mean_doc: in
   return rows
 
 
+def padded_rows(rows, live):
+  """Document lengths cut to the first `live` tokens of each row (the rest becomes padding)."""
+  out = []
+  for lengths in rows:
+    kept, total = [], 0
+    for n in lengths:
+      n = min(n, live - total)
+      if n <= 0:
+        break
+      kept.append(n)
+      total += n
+    out.append(kept)
+  return out
+
+
 def segments_and_positions(rows, seq_len):
   seg = np.zeros((len(rows), seq_len), np.int32)
   pos = np.zeros((len(rows), seq_len), np.int32)

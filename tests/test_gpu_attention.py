@@ -75,25 +75,28 @@ def test_dtypes_and_gqa(dtype, heads):
 
 
 @pytest.mark.parametrize("case", ["f16_mqa", "gqa_split", "cross", "empty_rows"])
-def test_head_dim_256_backward(case):
-  """The sm_90a D 256 backward (64-key tiles, the head dim split over warpgroups, dQ reduced
-  from registers) on what its plan treats apart: float16 with one kv head, a GQA group split
-  over blocks (few key tiles: partial dK / dV sums), keys longer than queries, padded rows."""
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_backward_tile_designs(head_dim, case):
+  """The sm_90a backward's designs other than D 128's: D 256 (64-key tiles, the head dim split
+  over warpgroups, dQ reduced from registers) and D 64 (128-query tiles, dQ split by queries),
+  on what their plans treat apart: float16 with one kv head, a GQA group split over blocks (few
+  key tiles: partial dK / dV sums), keys longer than queries, padded rows. 300 and 200 queries
+  end in a ragged query tile of either size."""
   rng = np.random.default_rng(6)
   if case == "f16_mqa":
     seg = random_segments(rng, 2, 300, mean_doc=90)
-    _compare(*_qkv(6, 2, 300, 300, 8, 1, 256, jnp.float16), jnp.float16, segment_ids=seg, is_causal=True)
+    _compare(*_qkv(6, 2, 300, 300, 8, 1, head_dim, jnp.float16), jnp.float16, segment_ids=seg, is_causal=True)
   elif case == "gqa_split":
-    _compare(*_qkv(7, 1, 300, 300, 16, 2, 256, jnp.bfloat16), jnp.bfloat16, is_causal=True)
+    _compare(*_qkv(7, 1, 300, 300, 16, 2, head_dim, jnp.bfloat16), jnp.bfloat16, is_causal=True)
   elif case == "cross":
     q_seg = random_segments(rng, 2, 200, mean_doc=60, pad_tail=False)
     kv_seg = np.sort(rng.integers(1, q_seg.max() + 1, size=(2, 333)), axis=1).astype(np.int32)
-    _compare(*_qkv(8, 2, 200, 333, 4, 2, 256, jnp.bfloat16), jnp.bfloat16, segment_ids=q_seg,
+    _compare(*_qkv(8, 2, 200, 333, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=q_seg,
              kv_segment_ids=kv_seg)
   else:
     seg = random_segments(rng, 2, 300, mean_doc=90)
     seg[1, 150:] = 0  # a row half padding: its queries attend nothing, their gradients are zero
-    _compare(*_qkv(9, 2, 300, 300, 4, 4, 256, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
+    _compare(*_qkv(9, 2, 300, 300, 4, 4, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
 
 
 @pytest.mark.parametrize("kernel", ["sm90", "sm80"])
@@ -169,11 +172,12 @@ def test_one_row_of_256k_forward_and_backward_fits():
 
 @pytest.mark.parametrize("doc", [4096, 4160], ids=["index_order", "heaviest_first"])
 def test_backward_key_tile_orders(doc):
-  """The sm_90a backward runs its key tiles in index order while none walks more than 64 query
-  tiles (kBwdIndexOrderMaxWork), else heaviest first: both orders must give the gradients. A
-  causal document of `doc` tokens, whose first key tile walks doc / 64 query tiles, then one of
-  128 (no padding: before the plan trimmed every range's ends, a tile mixing padding and a
-  document lengthened that walk to 66, and the index-order case ran heaviest first)."""
+  """The sm_90a backward runs its key tiles in index order while none walks the query tiles of
+  more than 4096 queries (kBwdIndexOrderMaxQueries; 64 tiles at D 128), else heaviest first:
+  both orders must give the gradients. A causal document of `doc` tokens, whose first key tile
+  walks doc / 64 query tiles, then one of 128 (no padding: before the plan trimmed every range's
+  ends, a tile mixing padding and a document lengthened that walk to 66, and the index-order
+  case ran heaviest first)."""
   s = doc + 128
   seg = np.full((1, s), 2, np.int32)
   seg[0, :doc] = 1

@@ -11,6 +11,7 @@ Cases: `ss:<name>` picks from the small-seq shorthands below, `att:<name>` a cas
 benchmarks/bench_attention.py by its name. `--time` prints the median time per call as well.
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -47,35 +48,21 @@ def small_seq_fn(name, backward):
 def attention_case(name):
   """A bench_attention case by name, or `fixed:B:S:DOC[:WINDOW]` (every document DOC tokens long;
   causal, within a window of WINDOW keys if given); either with `+padN`: the rows' last N tokens
-  are padding (the documents cut there)."""
+  are padding (the documents cut there), and/or `+dN`: head dim N."""
+  if "+d" in name:
+    name, dim = name.split("+d")
+    case, rows = attention_case(name)
+    return dataclasses.replace(case, head_dim=int(dim)), rows
   if "+pad" in name:
     name, pad = name.split("+pad")
     case, rows = attention_case(name)
-    return case, padded_rows(rows, case.seq_len - int(pad))
+    return case, common.padded_rows(rows, case.seq_len - int(pad))
   if name.startswith("fixed:"):
     b, s, doc, *window = (int(x) for x in name.split(":")[1:])
     rows = [[doc] * (s // doc) + ([s % doc] if s % doc else []) for _ in range(b)]
     return ba.Case(name, b, s, doc, window=window[0] if window else None), rows
   case = next(c for c in ba.GPU_CASES + ba.QUICK_CASES if c.name == name)
-  rng = np.random.default_rng(0)
-  rows = common.packed_rows(rng, case.batch, case.seq_len, case.mean_doc) if case.mean_doc else \
-      [[case.seq_len]] * case.batch
-  return case, rows
-
-
-def padded_rows(rows, live):
-  """Document lengths cut to the first `live` tokens of each row (the rest becomes padding)."""
-  out = []
-  for lengths in rows:
-    kept, total = [], 0
-    for n in lengths:
-      n = min(n, live - total)
-      if n <= 0:
-        break
-      kept.append(n)
-      total += n
-    out.append(kept)
-  return out
+  return case, ba.case_rows(case)
 
 
 def attention_fn(name, backward):

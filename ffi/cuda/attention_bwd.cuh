@@ -26,7 +26,8 @@ struct BwdParams {
   int64_t q_row, kv_row;
   float scale, scale_log2;
   MaskParams mask;
-  // dK/dV kernel plan: query tiles of kBwdBlockM, key tiles of bwd_block_n(D).
+  // dK/dV kernel plan: query tiles of kBwdBlockM (sm_90a: bwd_sm90_block_m(D)), key tiles of
+  // bwd_block_n(D).
   const TileSummary* q_sum;   // [B, nq]
   const TileSummary* kv_sum;  // [B, nkv]
   const TileRange* kv_range;  // [B, nkv]: query tiles per key tile
@@ -39,8 +40,8 @@ struct BwdParams {
   const int* q_order_dq;         // [B * nq]: (b * nq + m) query tiles, heaviest first
   int nkv_dq;
   // sm_90a dK/dV kernel only: lse * log2(e) (+inf for empty rows) and delta in rows of sq_pad
-  // (a multiple of kBwdBlockM; padding rows hold +inf / 0), so a query tile's values are one
-  // aligned 256-byte block for a bulk copy.
+  // (a multiple of its query tile; padding rows hold +inf / 0), so a query tile's values are one
+  // aligned block (256 bytes or more) for a bulk copy.
   const float* lse2;
   const ColMask* q_ids;  // (segment, position) of each query, in rows of sq_pad (padding: zeros)
   int64_t sq_pad;
@@ -49,7 +50,7 @@ struct BwdParams {
 // The work of one dK/dV block: one key tile of one kv head (or a split of its GQA group). The
 // (head, split) pairs are cut into chunks of head_chunk; chunks run one after the other, inside a
 // chunk key tiles go in kv_order (heaviest first, or in index order when every tile is light: see
-// kBwdIndexOrderMaxWork) with the pairs of a tile on consecutive blocks. Small chunks
+// kBwdIndexOrderMaxQueries) with the pairs of a tile on consecutive blocks. Small chunks
 // keep the blocks running together on few heads (their Q / dO stay in L2); chunks of >= ~4
 // waves keep the longest-first order.
 struct BwdBlock {

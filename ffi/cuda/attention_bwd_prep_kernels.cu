@@ -115,13 +115,13 @@ __global__ void __launch_bounds__(256) split_reduce_kernel(const float* __restri
   }
 }
 
-// The sm_90a dK/dV kernel's key tiles run in index order when none walks more than this many
-// query tiles (4k queries; e.g. chunks of 2048, windows of 1024), else heaviest first. Sorted by
+// The sm_90a dK/dV kernel's key tiles run in index order when none walks the query tiles of more
+// than this many queries (e.g. chunks of 2048, windows of 1024), else heaviest first. Sorted by
 // work, the blocks running together lie far apart in the row and the Q / dO / dQ tiles they share
 // fall out of L2 (H100, 4 x 16k, mean document 4k, chunks of 2048: L2 hit rate 67%, against 84%
 // with windows of 1024, whose tiles all weigh about the same); index order was 6% faster there.
 // With long documents heaviest first wins (causal, 4k documents: index order 1-2% slower).
-constexpr int kBwdIndexOrderMaxWork = 64;
+constexpr int kBwdIndexOrderMaxQueries = 4096;
 
 int grid_for(int64_t n, int64_t per_block) {
   const int64_t blocks = ceil_div64(n, per_block);
@@ -132,6 +132,7 @@ int grid_for(int64_t n, int64_t per_block) {
 
 struct BwdPlan {
   int64_t nq = 0, nkv = 0, nkv_dq = 0, sq_pad = 0;
+  int bm = kBwdBlockM;  // query tile of the dK/dV plan: bwd_sm90_block_m for the sm_90a kernel
   int splits = 1, head_chunk = 1;
   bool sm90 = false;
   size_t q_sum = 0, kv_sum = 0, kv_range = 0, kv_order = 0, kv_sum_dq = 0, q_range_dq = 0,
@@ -142,11 +143,12 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   const AttentionShape& s = a.shape;
   BwdPlan r;
   const int bn = bwd_block_n(s.head_dim), bn_dq = dq_block_n(s.head_dim);
-  r.nq = ceil_div64(s.q_len, kBwdBlockM);
+  r.sm90 = bwd_use_sm90(a);
+  r.bm = r.sm90 ? bwd_sm90_block_m(s.head_dim) : kBwdBlockM;
+  r.nq = ceil_div64(s.q_len, r.bm);
   r.nkv = ceil_div64(s.kv_len, bn);
   r.nkv_dq = ceil_div64(s.kv_len, bn_dq);
-  r.sq_pad = r.nq * kBwdBlockM;
-  r.sm90 = bwd_use_sm90(a);
+  r.sq_pad = r.nq * r.bm;
   // Split the query heads of a GQA group over several blocks when there are too few key tiles
   // to fill the GPU (partial dK/dV sums in float32, reduced in a fixed order).
   const int64_t G = s.kv_heads > 0 ? s.q_heads / s.kv_heads : 1;
@@ -326,13 +328,13 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   cudaError_t err;
   auto* q_sum = const_cast<TileSummary*>(p.q_sum);
   auto* kv_sum = const_cast<TileSummary*>(p.kv_sum);
-  if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kBwdBlockM, q_sum, stream))) return err;
+  if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, plan.bm, q_sum, stream))) return err;
   if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, bn, kv_sum, stream))) return err;
-  const TileTokens q_tok{q_seg, q_pos, s.q_len, kBwdBlockM}, kv_tok{kv_seg, kv_pos, s.kv_len, bn};
+  const TileTokens q_tok{q_seg, q_pos, s.q_len, plan.bm}, kv_tok{kv_seg, kv_pos, s.kv_len, bn};
   if ((err = launch_tile_ranges(kv_sum, plan.nkv, kv_tok, q_sum, plan.nq, q_tok, s.batch, a.mask,
                                 /*rows_are_q=*/false, const_cast<TileRange*>(p.kv_range), stream)))
     return err;
-  const int index_order_max_work = plan.sm90 ? detail::kBwdIndexOrderMaxWork : 0;
+  const int index_order_max_work = plan.sm90 ? detail::kBwdIndexOrderMaxQueries / plan.bm : 0;
   if ((err = launch_tile_schedule(p.kv_range, s.batch * plan.nkv, index_order_max_work,
                                   const_cast<int*>(p.kv_order), stream)))
     return err;

@@ -3,13 +3,14 @@
 // One CTA owns one key tile of 128 keys of one kv head (or a split of its GQA group), the same
 // blocks and tile plan as the sm_80 dK/dV kernel (bwd_block). A producer warpgroup loads K and V
 // once and streams the query tiles (Q + lse + the queries' segments and positions, dO + delta; 64
-// queries each) that the plan does not skip through two TMA pipelines. Two consumer warpgroups
-// own 64 keys each and compute everything transposed, keys as rows, so that P and dS come out of
-// the tensor cores already in the register layout of the next GEMM's A operand:
+// queries each, 128 at D 64) that the plan does not skip through two TMA pipelines. Two consumer
+// warpgroups own 64 keys each and compute everything transposed, keys as rows, so that P and dS
+// come out of the tensor cores already in the register layout of the next GEMM's A operand:
 //   S^T = K Q^T, dP^T = V dO^T                       (shared-memory wgmma)
 //   P^T = exp2(S^T scale log2e - lse2), dS^T = P^T (dP^T - delta)
 //   dV += P^T dO, dK += dS^T Q                        (register-A wgmma, accumulators in registers)
-//   dQ_tile = dS K                                    (dS^T through shared memory, both warpgroups)
+//   dQ_tile = dS K                                    (dS^T through shared memory; the warpgroups
+//                                                      split D, or at D 64 the 128 queries)
 // dQ_tile goes through shared memory into a float32 accumulator in global memory by one bulk
 // reduce-add (cp.reduce.async.bulk: no per-element atomics), issued by a writer warp of the
 // producer warpgroup so that the consumers only store and go on. dK is issued in two halves

@@ -26,7 +26,10 @@ namespace jaxcp::cuda {
 // ---------------------------------------------------------------------------------------------
 constexpr int kFwdBlockM = 128;  // query rows per forward block
 constexpr int kFwdBlockN = 64;   // key rows per forward step
-constexpr int kBwdBlockM = 64;   // query rows per backward step (dK/dV kernel and dQ kernel)
+constexpr int kBwdBlockM = 64;   // query rows per backward step (sm_80 dK/dV kernel, dQ kernel)
+// Query rows per step of the sm_90a dK/dV kernel: 128 at D 64, whose GEMMs are short in K (the
+// fixed cost of a step, masks, barriers and the dQ hand-off, weighed more), else kBwdBlockM.
+constexpr int bwd_sm90_block_m(int64_t d) { return d == 64 ? 128 : kBwdBlockM; }
 constexpr int bwd_block_n(int64_t d) { return d == 256 ? 64 : 128; }  // keys per dK/dV block
 constexpr int dq_block_n(int64_t d) { return d == 256 ? 32 : 64; }    // keys per dQ-kernel step
 
