@@ -136,17 +136,15 @@ __global__ void __launch_bounds__(kSchedThreads) tile_schedule_kernel(
     const TileRange r = ranges[i];
     return r.y > r.x ? r.y - r.x : 0;
   };
-  auto bucket_of = [&](int64_t i) {
-    const int w = work_of(i);
-    return kSchedBuckets - 1 - (w < kSchedBuckets - 1 ? w : kSchedBuckets - 1);
-  };
+  auto bucket_of = [&](int w) { return kSchedBuckets - 1 - (w < kSchedBuckets - 1 ? w : kSchedBuckets - 1); };
   for (int i = t; i < kSchedBuckets; i += kSchedThreads) hist[i] = 0;
   if (t == 0) max_work = 0;
   __syncthreads();
   int own_max = 0;
   for (int64_t i = t; i < n; i += kSchedThreads) {
-    atomicAdd(&hist[bucket_of(i)], 1);
-    own_max = max(own_max, work_of(i));
+    const int w = work_of(i);
+    atomicAdd(&hist[bucket_of(w)], 1);
+    own_max = max(own_max, w);
   }
   atomicMax(&max_work, own_max);
   __syncthreads();
@@ -176,7 +174,8 @@ __global__ void __launch_bounds__(kSchedThreads) tile_schedule_kernel(
   hist[2 * t] = excl;
   hist[2 * t + 1] = excl + a0;
   __syncthreads();
-  for (int64_t i = t; i < n; i += kSchedThreads) order[atomicAdd(&hist[bucket_of(i)], 1)] = static_cast<int>(i);
+  for (int64_t i = t; i < n; i += kSchedThreads)
+    order[atomicAdd(&hist[bucket_of(work_of(i))], 1)] = static_cast<int>(i);
 }
 
 }  // namespace
