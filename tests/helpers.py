@@ -35,27 +35,34 @@ def qkv(rng: np.random.Generator, batch, q_len, kv_len, q_heads, kv_heads, head_
   return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
+def allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, *, causal=False, window=None, chunk=None):
+  """[B, Sq, Skv] booleans: the (query, key) pairs that DESIGN.md section 1 allows."""
+  q_seg, q_pos, kv_seg, kv_pos = (np.asarray(x, np.int64) for x in (q_seg, q_pos, kv_seg, kv_pos))
+  allowed = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] != 0)
+  diff = q_pos[:, :, None] - kv_pos[:, None, :]
+  if causal:
+    allowed &= diff >= 0
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    allowed &= (diff <= left) & (-diff <= right)
+  if chunk is not None:
+    allowed &= (q_pos[:, :, None] // chunk) == (kv_pos[:, None, :] // chunk)
+  return allowed
+
+
 def numpy_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, causal=False, window=None,
                     chunk=None, scale=None):
   """Independent float64 NumPy oracle of DESIGN.md section 1 (shares no code with jaxcp)."""
   q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
-  q_seg, q_pos, kv_seg, kv_pos = (np.asarray(x, np.int64) for x in (q_seg, q_pos, kv_seg, kv_pos))
   b, sq, hq, d = q.shape
   hkv = k.shape[2]
   scale = d ** -0.5 if scale is None else scale
+  pairs = allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, causal=causal, window=window, chunk=chunk)
   out = np.zeros((b, sq, hq, d))
   lse = np.full((b, hq, sq), -np.inf)
   for bi in range(b):
     for i in range(sq):
-      allowed = (kv_seg[bi] == q_seg[bi, i]) & (q_seg[bi, i] != 0)
-      diff = q_pos[bi, i] - kv_pos[bi]
-      if causal:
-        allowed &= diff >= 0
-      if window is not None:
-        left, right = (window, window) if isinstance(window, int) else window
-        allowed &= (diff <= left) & (-diff <= right)
-      if chunk is not None:
-        allowed &= (q_pos[bi, i] // chunk) == (kv_pos[bi] // chunk)
+      allowed = pairs[bi, i]
       if not allowed.any():
         continue
       for h in range(hq):
@@ -72,20 +79,22 @@ def rand(rng: np.random.Generator, shape, dtype, scale: float = 1.0):
   return jnp.asarray(scale * rng.standard_normal(shape).astype(np.float32), dtype)
 
 
-def rows_close(got, want, tol, what, *, rows_leading=False):
+def rows_close(got, want, tol, what, *, rows_leading=False, floor=0.1, zero_rows=None):
   """Per-row relative error (rows over the last axis, or over the leading axis with
-  rows_leading); rows whose reference is zero must be exactly zero."""
+  rows_leading), each row's error over its norm or, if larger, `floor` times the rms of all
+  rows' norms. Rows that must be exactly zero: `zero_rows` (booleans, one per row), or where
+  not given, those whose reference is zero."""
   a = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
   b = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
   shape = (a.shape[0], -1) if rows_leading else (-1, a.shape[-1])
   a, b = a.reshape(shape), b.reshape(shape)
   assert np.all(np.isfinite(a)), f"{what}: non-finite values"
   nb = np.linalg.norm(b, axis=1)
-  floor = 0.1 * np.sqrt(np.mean(nb ** 2)) + 1e-30
-  err = np.linalg.norm(a - b, axis=1) / np.maximum(nb, floor)
+  err = np.linalg.norm(a - b, axis=1) / np.maximum(nb, floor * np.sqrt(np.mean(nb ** 2)) + 1e-30)
   worst = int(np.argmax(err))
   assert err[worst] < tol, f"{what}: row {worst} relative error {err[worst]:.3g} >= {tol}"
-  np.testing.assert_array_equal(a[nb == 0], 0, err_msg=f"{what}: rows that must be zero")
+  zero = nb == 0 if zero_rows is None else np.asarray(zero_rows).reshape(-1)
+  np.testing.assert_array_equal(a[zero], 0, err_msg=f"{what}: rows that must be zero")
 
 
 def use_kernel_variant(monkeypatch, env: str, v1: bool):
