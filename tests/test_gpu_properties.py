@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import jaxcp
 
 from .helpers import allowed_pairs, rel_err, rows_close
+from .strategies import packed_row
 
 pytestmark = pytest.mark.gpu
 
@@ -45,36 +46,6 @@ SETTINGS = settings(max_examples=30, deadline=None,
                                            HealthCheck.large_base_example])
 
 
-MAX_PIECES = 40  # then one last document takes the rest of the row (bounds the draws)
-
-
-@st.composite
-def packed_row(draw, length, ids=None):
-  """Segment ids and positions of one row of `length` tokens. With `ids`, the documents take
-  those ids in turn (the key side of cross attention: the query side's documents, other lengths)."""
-  seg = np.zeros(length, np.int32)
-  pos = np.zeros(length, np.int32)
-  t, doc = 0, 0
-  for piece in range(MAX_PIECES + 1):
-    if t == length:
-      break
-    kind = "long" if piece == MAX_PIECES else draw(st.sampled_from(list(PIECES)))
-    n = length - t if piece == MAX_PIECES else min(draw(st.integers(*PIECES[kind])), length - t)
-    if kind != "padding":
-      if ids is not None:
-        sid = int(ids[doc % len(ids)])
-      elif doc > 0 and draw(st.integers(0, 9)) == 0:
-        sid = draw(st.integers(1, doc))  # an id used before: one mask document with it
-      else:
-        sid = doc + 1
-      doc += 1
-      seg[t:t + n] = sid
-      start = draw(st.sampled_from([0, 0, 0, 1, 37, 500]))  # continued from another shard
-      pos[t:t + n] = start + np.arange(n)
-    t += n
-  return seg, pos
-
-
 def _permute(order, seg, pos, seed):
   """The token order of a context-parallel layout (or another), applied to one row."""
   if order == "as_is":
@@ -90,7 +61,7 @@ def _permute(order, seg, pos, seed):
 
 @st.composite
 def packed_batch(draw, length, orders=ORDERS):
-  rows = [draw(packed_row(length)) for _ in range(2)]
+  rows = [draw(packed_row(length, PIECES)) for _ in range(2)]
   order = draw(st.sampled_from(orders))
   seed = draw(st.integers(0, 2**31 - 1))
   rows = [_permute(order, s, p, seed + i) for i, (s, p) in enumerate(rows)]
@@ -171,11 +142,11 @@ def test_random_packed_rows_head_dims(head_dim, batch):
 @st.composite
 def cross_batch(draw):
   """Queries and keys with the same documents at other lengths and places (Sq != Skv)."""
-  q_rows = [draw(packed_row(S)) for _ in range(2)]
+  q_rows = [draw(packed_row(S, PIECES)) for _ in range(2)]
   kv_rows = []
   for q_seg, _ in q_rows:
     ids = [i for i in dict.fromkeys(q_seg.tolist()) if i != 0] or [1]
-    kv_rows.append(draw(packed_row(S_KV, ids=ids)))
+    kv_rows.append(draw(packed_row(S_KV, PIECES, ids=ids)))
   stack = lambda rows, i: np.stack([r[i] for r in rows])
   return stack(q_rows, 0), stack(q_rows, 1), stack(kv_rows, 0), stack(kv_rows, 1)
 
