@@ -69,9 +69,9 @@ def packed_batch(draw, length, orders=ORDERS):
 
 
 @functools.lru_cache(maxsize=None)
-def _runner(impl, mask_name):
+def _runner(impl, mask_name, deterministic=False):
   """jit(out, lse, dq, dk, dv) of one implementation and mask; cached across examples."""
-  static = MASKS[mask_name]
+  static = dict(MASKS[mask_name], deterministic=deterministic)
 
   def run(q, k, v, do, q_seg, q_pos, kv_seg, kv_pos):
     f = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=q_seg, positions=q_pos, kv_segment_ids=kv_seg,
@@ -83,19 +83,23 @@ def _runner(impl, mask_name):
   return jax.jit(run)
 
 
-def _inputs(head_dim, sq, skv):
+def _inputs(head_dim, sq, skv, dtype, hkv):
   """q, k, v, dO. Scores of standard deviation 3 make each row's softmax peaky, so that a key
   masked in or out by mistake moves its row by much more than the rounding."""
   key = jax.random.PRNGKey(head_dim + sq + skv)
-  shapes = [(2, sq, HQ, head_dim), (2, skv, HKV, head_dim), (2, skv, HKV, head_dim), (2, sq, HQ, head_dim)]
+  shapes = [(2, sq, HQ, head_dim), (2, skv, hkv, head_dim), (2, skv, hkv, head_dim), (2, sq, HQ, head_dim)]
   q, k, v, do = (jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32) for i, s in enumerate(shapes))
-  return [x.astype(jnp.bfloat16) for x in (3 * q, k, v, do)]
+  return [x.astype(dtype) for x in (3 * q, k, v, do)]
 
 
-def _check(mask_name, head_dim, q_seg, q_pos, kv_seg, kv_pos):
-  args = (*_inputs(head_dim, q_seg.shape[1], kv_seg.shape[1]), q_seg, q_pos, kv_seg, kv_pos)
-  got = _runner("cuda", mask_name)(*args)
+def _check(mask_name, head_dim, q_seg, q_pos, kv_seg, kv_pos, dtype=jnp.bfloat16, hkv=HKV,
+           deterministic=False):
+  args = (*_inputs(head_dim, q_seg.shape[1], kv_seg.shape[1], dtype, hkv), q_seg, q_pos, kv_seg, kv_pos)
+  got = _runner("cuda", mask_name, deterministic)(*args)
   want = _runner("xla", mask_name)(*args)
+  if deterministic:  # a second call gives the same bits
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, _runner("cuda", mask_name, True)(*args)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
   (out, lse, dq, dk, dv), (r_out, r_lse, r_dq, r_dk, r_dv) = got, want
   mask = MASKS[mask_name]
   pairs = allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, causal=mask.get("is_causal", False),
@@ -103,7 +107,7 @@ def _check(mask_name, head_dim, q_seg, q_pos, kv_seg, kv_pos):
   # Rows (of a token's head) that must be exactly zero: queries with no allowed key (out, dq),
   # keys that no query may attend (dk, dv).
   q_dead = np.repeat(~pairs.any(2), HQ, axis=1)
-  kv_dead = np.repeat(~pairs.any(1), HKV, axis=1)
+  kv_dead = np.repeat(~pairs.any(1), hkv, axis=1)
   rows_close(out, r_out, 3e-2, "out", zero_rows=q_dead)
   lse, r_lse = np.asarray(lse), np.asarray(r_lse)
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
@@ -137,6 +141,18 @@ def test_random_packed_rows_head_dims(head_dim, batch):
   """The other head dims' tile shapes (D 64: 128-query backward tiles; D 256: 64-key tiles)."""
   seg, pos = batch
   _check("causal", head_dim, seg, pos, seg, pos)
+
+
+@pytest.mark.parametrize("variant", ["float16_mqa", "deterministic"])
+@SETTINGS
+@given(batch=packed_batch(S))
+def test_random_packed_rows_variants(variant, batch):
+  """float16 with one kv head; the deterministic backward (bitwise equal over two calls)."""
+  seg, pos = batch
+  if variant == "float16_mqa":
+    _check("causal_window", 128, seg, pos, seg, pos, dtype=jnp.float16, hkv=1)
+  else:
+    _check("causal_chunk", 128, seg, pos, seg, pos, deterministic=True)
 
 
 @st.composite
