@@ -11,7 +11,7 @@
 //
 // Kernels, in stream order: key windows (the summary of the block N keys from every key, so
 // that the kernel classifies a key tile starting anywhere with one load; at a key tile's start,
-// its summary), anchor bits (one bit per token), tile starts (one block per batch row,
+// its summary) and, in the same launch, anchor bits (one bit per token), tile starts (one block per batch row,
 // block-wide scans over the bit words), row offsets (one block; only for more than
 // kInlineOffsetRows rows, otherwise summed by the plan's blocks), per-tile plan (one block per
 // tile slot). On a 0.6 ms forward these took 48 us, 29 of them the plan's (H100, session 13).
@@ -25,12 +25,11 @@ namespace jaxcp::cuda {
 namespace {
 
 constexpr int kAnchorRun = 64;  // shortest run of one segment id that starts tiles of its own
-constexpr int kBitsThreads = 256;
 constexpr int kStartThreads = 512;
 constexpr int kOffsetThreads = 1024;
 constexpr int kPlanThreads = kFwdBlockM;  // one thread per row of a tile, then per key of a key tile
 constexpr int kInlineOffsetRows = 8 * kPlanThreads;  // up to this many rows, plan blocks sum the counts
-constexpr int kMaxProbed = 4;  // key tiles probed pair by pair from each end of a tile's range
+constexpr int kMaxProbed = 4;  // key tiles probed key by key from each end of a tile's range
 
 struct MergeSummaries {  // merge_summaries as a scan operator
   __device__ TileSummary operator()(const TileSummary& a, const TileSummary& b) const {
@@ -38,48 +37,52 @@ struct MergeSummaries {  // merge_summaries as a scan operator
   }
 };
 
-// windows[b][x] = summary of keys [x, min(x + window, len)), for every x: block c (window
-// threads) takes keys [c w, (c + 1) w) and the next w; each window is a suffix of the first part
-// (a reverse scan) merged with a prefix of the second (a forward scan; thread t's own).
+// One launch for the two passes over the tokens that the tile starts and the plan need.
+// Key windows: windows[b][x] = summary of keys [x, min(x + window, len)), for every x: block c
+// (window threads) takes keys [c w, (c + 1) w) and the next w; each window is a suffix of the
+// first part (a reverse scan) merged with a prefix of the second (a forward scan; thread t's
+// own). Anchor bits (when bits is set): bits[b][w] bit i says that query token 32 w + i starts
+// a run of kAnchorRun tokens of one segment id; block c takes query tokens [c w, (c + 1) w).
+// (Checking the run's last token is enough for packed documents, which never reuse a segment id
+// inside kAnchorRun tokens; any other input only gets different tiles, never wrong results.)
 template <int kWindow>
-__global__ void __launch_bounds__(kWindow) key_window_kernel(const int32_t* __restrict__ seg,
-                                                             const int32_t* __restrict__ pos, int64_t len,
-                                                             TileSummary* __restrict__ windows) {
+__global__ void __launch_bounds__(kWindow) key_window_anchor_bits_kernel(TileTokens kv, int64_t n_kv_tiles,
+                                                                         TileSummary* __restrict__ windows,
+                                                                         const int32_t* __restrict__ q_seg,
+                                                                         int64_t q_len, int64_t words,
+                                                                         uint32_t* __restrict__ bits) {
+  static_assert(kWindow % 32 == 0, "anchor bits are written a warp's word at a time");
   using Scan = cub::BlockScan<TileSummary, kWindow>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ TileSummary suffixes[kWindow];
   const int t = threadIdx.x;
-  const int64_t b = blockIdx.y, x = static_cast<int64_t>(blockIdx.x) * kWindow + t;
-  auto token = [&](int64_t i) {
-    return i < len ? detail::token_summary(seg[b * len + i], pos[b * len + i]) : detail::empty_summary();
-  };
-  // Suffixes of this block's keys: thread t scans key (block end - 1 - t), so its inclusive scan
-  // is the suffix from that key.
-  TileSummary suffix;
-  Scan(scan_tmp).InclusiveScan(token(static_cast<int64_t>(blockIdx.x) * kWindow + kWindow - 1 - t), suffix,
-                               MergeSummaries{});
-  __syncthreads();
-  suffixes[kWindow - 1 - t] = suffix;  // keys [c w + (w - 1 - t), (c + 1) w)
-  TileSummary prefix;                  // keys [(c + 1) w, (c + 1) w + t)
-  Scan(scan_tmp).ExclusiveScan(token(static_cast<int64_t>(blockIdx.x + 1) * kWindow + t), prefix,
-                               detail::empty_summary(), MergeSummaries{});
-  __syncthreads();
-  if (x < len) windows[b * len + x] = detail::merge_summaries(suffixes[t], prefix);
-}
-
-// bits[b][w] bit i: token 32 w + i starts a run of kAnchorRun tokens of one segment id.
-// (Checking the run's last token is enough for packed documents, which never reuse a segment id
-// inside kAnchorRun tokens; any other input only gets different tiles, never wrong results.)
-__global__ void __launch_bounds__(kBitsThreads) anchor_bits_kernel(const int32_t* __restrict__ seg, int64_t len,
-                                                                 int64_t words, uint32_t* __restrict__ bits) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kBitsThreads + threadIdx.x, b = blockIdx.y;
-  const int32_t* s = seg + b * len;
-  bool anchor = false;
-  if (i < len) {
-    anchor = i == 0 || (s[i] != s[i - 1] && i + kAnchorRun - 1 < len && s[i + kAnchorRun - 1] == s[i]);
+  const int64_t b = blockIdx.y, c = blockIdx.x;
+  if (c < n_kv_tiles) {  // the same for the whole block
+    const int64_t x = c * kWindow + t, len = kv.len;
+    auto token = [&](int64_t i) {
+      return i < len ? detail::token_summary(kv.seg[b * len + i], kv.pos[b * len + i]) : detail::empty_summary();
+    };
+    // Suffixes of this block's keys: thread t scans key (block end - 1 - t), so its inclusive scan
+    // is the suffix from that key.
+    TileSummary suffix;
+    Scan(scan_tmp).InclusiveScan(token(c * kWindow + kWindow - 1 - t), suffix, MergeSummaries{});
+    __syncthreads();
+    suffixes[kWindow - 1 - t] = suffix;  // keys [c w + (w - 1 - t), (c + 1) w)
+    TileSummary prefix;                  // keys [(c + 1) w, (c + 1) w + t)
+    Scan(scan_tmp).ExclusiveScan(token((c + 1) * kWindow + t), prefix, detail::empty_summary(), MergeSummaries{});
+    __syncthreads();
+    if (x < len) windows[b * len + x] = detail::merge_summaries(suffixes[t], prefix);
   }
-  const unsigned word = __ballot_sync(0xffffffffu, anchor);
-  if (threadIdx.x % 32 == 0 && i < words * 32) bits[b * words + i / 32] = word;
+  const int64_t i = c * kWindow + t;
+  if (bits != nullptr && c * kWindow < words * 32) {  // the same for the whole block
+    const int32_t* s = q_seg + b * q_len;
+    bool anchor = false;
+    if (i < q_len) {
+      anchor = i == 0 || (s[i] != s[i - 1] && i + kAnchorRun - 1 < q_len && s[i + kAnchorRun - 1] == s[i]);
+    }
+    const unsigned word = __ballot_sync(0xffffffffu, anchor);
+    if (t % 32 == 0 && i / 32 < words) bits[b * words + i / 32] = word;  // i: the warp's first token
+  }
 }
 
 // Calls emit(x) for the tile starts among tokens [lo, hi) of a stretch whose last anchor is cur
@@ -179,17 +182,16 @@ __device__ int2 block_min_max(int mn, int mx) {
 }
 
 // One block per tile slot (b, i): the tile's rows, summary and key span. Thread t holds row t,
-// then key t of a probed key tile, so no thread walks more than the 128 rows once per probe
-// (a warp per tile walked them for 4 keys a lane: 29 us of a 600 us forward on 2 x 8k, H100).
-// The span starts from the range of key tiles (of block_n keys) that the summaries do not skip
-// and is then narrowed on the tokens to the first and last key some row may attend (at most
-// kMaxProbed tiles from each end; beyond that the span keeps the tile's edge, never wrong).
+// then key t of a probed key tile. The span starts from the range of key tiles (of block_n keys)
+// that the summaries do not skip and is then narrowed on the keys to the first and last one that
+// the rows may attend (at most kMaxProbed tiles from each end; beyond that the span keeps the
+// tile's edge, never wrong).
 // The key tiles' summaries are the key windows at their starts.
 __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     const int* __restrict__ starts, const int* __restrict__ counts, const int* __restrict__ offsets, int capacity,
     TileTokens q, const TileSummary* __restrict__ windows, int64_t n_kv_tiles, TileTokens kv, MaskParams mask,
     int64_t batch, DocTile* __restrict__ tiles, int* __restrict__ total, int* __restrict__ tile_counter) {
-  __shared__ RowMask row_mask[kFwdBlockM];
+  __shared__ int32_t row_seg[kFwdBlockM];
   __shared__ TileSummary sum_part[kPlanThreads / 32];
   __shared__ int offset_part[kPlanThreads / 32];
   __shared__ int run_at[kMaxTileRuns + 1];  // the runs' first rows, then the tile's row count
@@ -221,9 +223,9 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     const int64_t at = b * q.len + q0 + t;
     seg = q.seg[at];
     pos = q.pos[at];
-    row_mask[t] = make_row_mask(true, seg, pos, mask);
+    row_seg[t] = seg;
   }
-  __syncthreads();  // row_mask written; offset_part read
+  __syncthreads();  // row_seg written; offset_part read
   // The summary of rows [lo, hi) (all threads get it).
   auto rows_summary = [&](int lo, int hi) {
     TileSummary mine = t >= lo && t < hi ? detail::token_summary(seg, pos) : detail::empty_summary();
@@ -241,7 +243,7 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
   // positions from 0 kept every key tile of the long document before it unskipped, the probes
   // gave up, and the tile walked that whole document (on 4 x 16k, window 1024: 16 such tiles
   // made the forward 19% slower, H100). More than kMaxTileRuns runs: the tile's summary as one run.
-  const bool run_start = t < rows && (t == 0 || row_mask[t - 1].seg != seg);
+  const bool run_start = t < rows && (t == 0 || row_seg[t - 1] != seg);
   const unsigned starts_mask = __ballot_sync(0xffffffffu, run_start);
   if (t % 32 == 0) offset_part[t / 32] = __popc(starts_mask);
   __syncthreads();
@@ -279,13 +281,16 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     }
     return block_min_max(first, last);
   };
-  // The first and last key of key tile c that some row of [lo, hi) may attend (INT_MAX / -1: none).
-  auto span_of = [&](int64_t c, int lo, int hi) {
+  // The first and last key of key tile c that some row of the run may attend (INT_MAX / -1: none),
+  // each key tested against the run's summary: exact for a run of one document whose positions
+  // leave no gap wider than a window (e.g. consecutive, or striped over context-parallel ranks),
+  // a superset otherwise (never wrong). Testing every row (128 per key) took most of this kernel.
+  auto span_of = [&](int64_t c) {
     const int64_t k0 = c * kv.tile;
     bool any = false;
     if (t < min(static_cast<int64_t>(kv.tile), kv.len - k0)) {
-      const ColMask cm = make_col_mask(true, kv.seg[b * kv.len + k0 + t], kv.pos[b * kv.len + k0 + t]);
-      for (int r = lo; r < hi; ++r) any |= allowed(row_mask[r], cm);
+      const int64_t at = b * kv.len + k0 + t;
+      any = classify_tiles(sum, detail::token_summary(kv.seg[at], kv.pos[at]), mask) != TileClass::kSkip;
     }
     return block_min_max(any ? t : INT_MAX, any ? t : -1);
   };
@@ -300,7 +305,7 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     bool found = false;
     int64_t run_lo = 0, run_hi = 0;
     for (int p = 0; p < kMaxProbed && c <= e && !found; ++p) {
-      const int2 s = span_of(c, lo, hi);
+      const int2 s = span_of(c);
       found = s.x != INT_MAX;
       if (found) run_lo = static_cast<int64_t>(c) * kv.tile + s.x;
       else c = unskipped_range(c + 1, e).x;  // INT_MAX: none left
@@ -310,7 +315,7 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     // The last key: probe from the back, down to c at most.
     found = false;
     for (int p = 0; p < kMaxProbed && e >= c && !found; ++p) {
-      const int2 s = span_of(e, lo, hi);
+      const int2 s = span_of(e);
       found = s.y >= 0;
       if (found) run_hi = static_cast<int64_t>(e) * kv.tile + s.y + 1;
       else e = unskipped_range(c, e - 1).y;  // -1: none left
@@ -344,17 +349,17 @@ cudaError_t launch_doc_tile_plan(const TileTokens& q, int64_t n_kv_tiles, const 
   const int64_t words = ceil_div64(q.len, 32);
   const int capacity = doc_tile_capacity(q.len);
   cudaError_t err;
-  if (kv.len > 0) {
-    const dim3 grid(static_cast<unsigned>(n_kv_tiles), static_cast<unsigned>(batch));
-    if (kv.tile == 128) key_window_kernel<128><<<grid, 128, 0, stream>>>(kv.seg, kv.pos, kv.len, ws.key_windows);
-    else key_window_kernel<64><<<grid, 64, 0, stream>>>(kv.seg, kv.pos, kv.len, ws.key_windows);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  if (!fixed_grid) {
-    const int64_t blocks = ceil_div64(q.len, kBitsThreads);
-    if (blocks > INT_MAX) return cudaErrorInvalidValue;
-    anchor_bits_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)), kBitsThreads, 0,
-                         stream>>>(q.seg, q.len, words, ws.anchor_bits);
+  const int64_t kv_blocks = kv.len > 0 ? n_kv_tiles : 0;
+  const int64_t bit_blocks = fixed_grid ? 0 : ceil_div64(q.len, kv.tile);
+  const int64_t blocks = kv_blocks > bit_blocks ? kv_blocks : bit_blocks;
+  if (blocks > INT_MAX) return cudaErrorInvalidValue;
+  if (blocks > 0) {
+    const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(batch));
+    uint32_t* bits = fixed_grid ? nullptr : ws.anchor_bits;
+    if (kv.tile == 128)
+      key_window_anchor_bits_kernel<128><<<grid, 128, 0, stream>>>(kv, kv_blocks, ws.key_windows, q.seg, q.len, words, bits);
+    else
+      key_window_anchor_bits_kernel<64><<<grid, 64, 0, stream>>>(kv, kv_blocks, ws.key_windows, q.seg, q.len, words, bits);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   doc_tile_starts_kernel<<<static_cast<unsigned>(batch), kStartThreads, 0, stream>>>(
