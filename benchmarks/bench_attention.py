@@ -96,13 +96,13 @@ def _cudnn_dense(case: Case):
   return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def _jaxcp(case: Case, seg, pos, implementation=None):
+def _jaxcp(case: Case, seg, pos, implementation=None, deterministic=False):
   seg, pos = jnp.asarray(seg), jnp.asarray(pos)
   window = (case.window - 1, 0) if case.window else None
 
   def f(q, k, v):
     return jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=True, local_window_size=window,
-                           chunk_size=case.chunk, implementation=implementation)
+                           chunk_size=case.chunk, implementation=implementation, deterministic=deterministic)
   return f
 
 

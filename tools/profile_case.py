@@ -48,7 +48,8 @@ def small_seq_fn(name, backward):
 def attention_case(name):
   """A bench_attention case by name, or `fixed:B:S:DOC[:WINDOW]` (every document DOC tokens long;
   causal, within a window of WINDOW keys if given); either with `+padN`: the rows' last N tokens
-  are padding (the documents cut there), and/or `+dN`: head dim N."""
+  are padding (the documents cut there), and/or `+dN`: head dim N. (`attention_fn` also takes a
+  final `+det`: the deterministic backward.)"""
   if "+d" in name:
     name, dim = name.split("+d")
     case, rows = attention_case(name)
@@ -66,14 +67,15 @@ def attention_case(name):
 
 
 def attention_fn(name, backward):
-  case, rows = attention_case(name)
+  deterministic = name.endswith("+det")
+  case, rows = attention_case(name.removesuffix("+det"))
   seg, pos = common.segments_and_positions(rows, case.seq_len)
   key = jax.random.PRNGKey(1)
   q = jax.random.normal(key, (case.batch, case.seq_len, case.q_heads, case.head_dim), jnp.bfloat16)
   kv_shape = (case.batch, case.seq_len, case.kv_heads, case.head_dim)
   k = jax.random.normal(jax.random.fold_in(key, 1), kv_shape, jnp.bfloat16)
   v = jax.random.normal(jax.random.fold_in(key, 2), kv_shape, jnp.bfloat16)
-  f = ba._jaxcp(case, seg, pos)
+  f = ba._jaxcp(case, seg, pos, deterministic=deterministic)
   if backward:
     return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), (q, k, v, q)
   return jax.jit(f), (q, k, v)
@@ -101,7 +103,7 @@ def run_case(spec, backward, reps, timed):
     t = common.time_fn(fn, *args)
     extra = ""
     if kind == "att":
-      case, rows = attention_case(name)
+      case, rows = attention_case(name.removesuffix("+det"))
       window = (case.window - 1, 0) if case.window else None
       pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
       flops = 4 * case.head_dim * case.q_heads * pairs * (3.5 if backward else 1)
