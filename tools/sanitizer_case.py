@@ -1,4 +1,5 @@
-"""A small packed-attention forward+backward for compute-sanitizer (no XLA autotuning noise)."""
+"""A small packed-attention forward+backward (and its deterministic backward) for compute-sanitizer
+(no XLA autotuning noise)."""
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -11,10 +12,12 @@ import jaxcp  # noqa: E402
 seg = np.repeat(np.arange(1, 6, dtype=np.int32), [1, 70, 33, 100, 46])[None].repeat(2, 0)
 seg[1, 200:] = 0
 for d in (64, 128, 256):
-  key = jax.random.PRNGKey(d)
-  q = jax.random.normal(key, (2, 250, 4, d), jnp.bfloat16)
-  k = jax.random.normal(jax.random.fold_in(key, 1), (2, 250, 2, d), jnp.bfloat16)
-  f = jax.jit(lambda q, k: jax.vjp(lambda q, k: jaxcp.attention(
-      q, k, k, segment_ids=seg, is_causal=True, local_window_size=(40, 0)), q, k)[1](q))
-  jax.block_until_ready(f(q, k))
+  for deterministic in (False, True):
+    key = jax.random.PRNGKey(d)
+    q = jax.random.normal(key, (2, 250, 4, d), jnp.bfloat16)
+    k = jax.random.normal(jax.random.fold_in(key, 1), (2, 250, 2, d), jnp.bfloat16)
+    f = jax.jit(lambda q, k: jax.vjp(lambda q, k: jaxcp.attention(
+        q, k, k, segment_ids=seg, is_causal=True, local_window_size=(40, 0), deterministic=deterministic),
+        q, k)[1](q))
+    jax.block_until_ready(f(q, k))
 print("sanitizer case done")

@@ -45,12 +45,19 @@ struct BwdParams {
   const float* lse2;
   const ColMask* q_ids;  // (segment, position) of each query, in rows of sq_pad (padding: zeros)
   int64_t sq_pad;
+  // Deterministic sm_90a backward: each dQ tile's bulk adds go in decreasing key tile order.
+  // dq_ticket[(b * nkv + n) * nq + m] = how many key tiles after n add to query tile m (valid where
+  // key tile n's walk visits m); dq_sem[(b * Hq + h) * nq + m] = adds done so far (zeroed per call).
+  // Both null otherwise.
+  const int* dq_ticket;
+  int* dq_sem;
 };
 
 // The work of one dK/dV block: one key tile of one kv head (or a split of its GQA group). The
 // (head, split) pairs are cut into chunks of head_chunk; chunks run one after the other, inside a
 // chunk key tiles go in kv_order (heaviest first, or in index order when every tile is light: see
-// kBwdIndexOrderMaxQueries) with the pairs of a tile on consecutive blocks. Small chunks
+// kBwdIndexOrderMaxQueries; in decreasing index order for the deterministic sm_90a kernel) with the
+// pairs of a tile on consecutive blocks. Small chunks
 // keep the blocks running together on few heads (their Q / dO stay in L2); chunks of >= ~4
 // waves keep the longest-first order.
 struct BwdBlock {
@@ -120,8 +127,8 @@ cudaError_t launch_bwd_dq(const BwdParams& p, cudaStream_t stream);
 
 namespace jaxcp::cuda {
 // attention_bwd_sm90_kernels.cu: whether the sm_90a dK/dV kernel runs these arguments (the
-// device is sm_90 with this build's sm_90a image, non-deterministic mode, a head dim it has),
-// and its launcher (dK, dV, and dQ through p.dq_accum, converted into p.dq).
+// device is sm_90 with this build's sm_90a image, a head dim it has: 64, 128, and 256 when not
+// deterministic), and its launcher (dK, dV, and dQ through p.dq_accum, converted into p.dq).
 bool bwd_use_sm90(const AttentionArgs& args);
 cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, cudaStream_t stream);
 }  // namespace jaxcp::cuda

@@ -71,6 +71,26 @@ __global__ void __launch_bounds__(256) bwd_q_ids_kernel(const int32_t* __restric
   }
 }
 
+// Deterministic sm_90a backward: dq_ticket[(b * nkv + n) * nq + m] = the number of key tiles
+// n' > n whose walk visits query tile m, for every (n, m) that key tile n's walk visits (the
+// others are left as they are). A walk visits the tiles of its range that it does not skip
+// (bwd_next_q_serial). One thread per (b, m), key tiles from the last.
+__global__ void __launch_bounds__(256) bwd_dq_ticket_kernel(const TileRange* __restrict__ kv_range,
+                                                            const TileSummary* __restrict__ q_sum,
+                                                            const TileSummary* __restrict__ kv_sum, MaskParams mask,
+                                                            int nq, int nkv, int* __restrict__ ticket) {
+  const int m = static_cast<int>(blockIdx.x) * 256 + static_cast<int>(threadIdx.x);
+  const int64_t b = blockIdx.y;
+  if (m >= nq) return;
+  const TileSummary qs = q_sum[b * nq + m];
+  int count = 0;
+  for (int n = nkv - 1; n >= 0; --n) {
+    const TileRange r = kv_range[b * nkv + n];
+    if (r.x <= m && m < r.y && classify_tiles(qs, kv_sum[b * nkv + n], mask) != TileClass::kSkip)
+      ticket[(b * nkv + n) * nq + m] = count++;
+  }
+}
+
 // dst[i] = Element(scale * src[i]), 8 elements per thread.
 template <class Element>
 __global__ void __launch_bounds__(256) scale_convert_kernel(const float* __restrict__ src,
@@ -136,7 +156,10 @@ struct BwdPlan {
   int splits = 1, head_chunk = 1;
   bool sm90 = false;
   size_t q_sum = 0, kv_sum = 0, kv_range = 0, kv_order = 0, kv_sum_dq = 0, q_range_dq = 0,
-         q_order_dq = 0, delta = 0, lse2 = 0, q_ids = 0, dq_accum = 0, dk_part = 0, dv_part = 0, bytes = 0;
+         q_order_dq = 0, delta = 0, lse2 = 0, q_ids = 0, dq_accum = 0, dq_ticket = 0, dq_sem = 0, dk_part = 0,
+         dv_part = 0, bytes = 0;
+  // Deterministic dQ: by the sm_80 dQ kernel (its own plan), or by the sm_90a kernel taking turns.
+  bool sm80_dq = false, ordered_dq = false;
 };
 
 BwdPlan bwd_plan(const AttentionArgs& a) {
@@ -180,13 +203,19 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
     r.lse2 = w.take(sizeof(float) * s.batch * s.q_heads * r.sq_pad);
     r.q_ids = w.take(sizeof(ColMask) * s.batch * r.sq_pad);
   }
-  if (a.deterministic) {
+  r.sm80_dq = a.deterministic && !r.sm90;
+  r.ordered_dq = a.deterministic && r.sm90;
+  if (r.sm80_dq) {
     r.kv_sum_dq = w.take(sizeof(TileSummary) * s.batch * r.nkv_dq);
     r.q_range_dq = w.take(sizeof(TileRange) * s.batch * r.nq);
     r.q_order_dq = w.take(sizeof(int) * s.batch * r.nq);
   } else {
     // sm_90a: per query tile, padded to whole tiles (see attention_bwd_sm90_kernels.cu).
     r.dq_accum = w.take(sizeof(float) * s.batch * (r.sm90 ? r.sq_pad : s.q_len) * s.q_heads * s.head_dim);
+    if (r.ordered_dq) {
+      r.dq_ticket = w.take(sizeof(int) * s.batch * r.nkv * r.nq);
+      r.dq_sem = w.take(sizeof(int) * s.batch * s.q_heads * r.nq);
+    }
   }
   if (r.splits > 1) {
     const size_t part = sizeof(float) * r.splits * s.batch * s.kv_len * s.kv_heads * s.head_dim;
@@ -221,17 +250,24 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
     if ((err = cudaGetLastError())) return err;
   }
   const int64_t q_elems = s.batch * s.q_len * s.q_heads * s.head_dim;
-  if (!a.deterministic) {
+  if (!plan.sm80_dq) {
     const int64_t accum = s.batch * (plan.sm90 ? plan.sq_pad : s.q_len) * s.q_heads * s.head_dim;
     if ((err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * accum, stream))) return err;
+  }
+  if (plan.ordered_dq) {
+    if ((err = cudaMemsetAsync(p.dq_sem, 0, sizeof(int) * s.batch * s.q_heads * plan.nq, stream))) return err;
+    const dim3 grid(static_cast<unsigned>(ceil_div64(plan.nq, 256)), static_cast<unsigned>(s.batch));
+    bwd_dq_ticket_kernel<<<grid, 256, 0, stream>>>(p.kv_range, p.q_sum, p.kv_sum, p.mask, p.nq, p.nkv,
+                                                   const_cast<int*>(p.dq_ticket));
+    if ((err = cudaGetLastError())) return err;
   }
   if (p.nkv > 0) {
     err = plan.sm90 ? launch_bwd_sm90(p, std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBF16 : DType::kF16, D,
                                       stream)
-                    : launch_bwd_dkdv<Element, D>(p, !a.deterministic, stream);
+                    : launch_bwd_dkdv<Element, D>(p, !plan.sm80_dq, stream);
     if (err) return err;
   }
-  if (a.deterministic) {
+  if (plan.sm80_dq) {
     if ((err = launch_bwd_dq<Element, D>(p, stream))) return err;
   } else if (!plan.sm90) {  // the sm_90a launcher converts its own dQ layout
     scale_convert_kernel<Element><<<grid_for(q_elems / 8, 256), 256, 0, stream>>>(
@@ -298,7 +334,9 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.sq_pad = plan.sq_pad;
   p.delta = reinterpret_cast<float*>(base + plan.delta);
   p.q_seg = q_seg; p.q_pos = q_pos; p.kv_seg = kv_seg; p.kv_pos = kv_pos;
-  p.dq_accum = a.deterministic ? nullptr : reinterpret_cast<float*>(base + plan.dq_accum);
+  p.dq_accum = plan.sm80_dq ? nullptr : reinterpret_cast<float*>(base + plan.dq_accum);
+  p.dq_ticket = plan.ordered_dq ? reinterpret_cast<int*>(base + plan.dq_ticket) : nullptr;
+  p.dq_sem = plan.ordered_dq ? reinterpret_cast<int*>(base + plan.dq_sem) : nullptr;
   p.dq = dq; p.dk = dk; p.dv = dv;
   p.dk_part = plan.splits > 1 ? reinterpret_cast<float*>(base + plan.dk_part) : nullptr;
   p.dv_part = plan.splits > 1 ? reinterpret_cast<float*>(base + plan.dv_part) : nullptr;
@@ -319,9 +357,9 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.kv_order = reinterpret_cast<int*>(base + plan.kv_order);
   p.nq = static_cast<int>(plan.nq);
   p.nkv = static_cast<int>(plan.nkv);
-  p.kv_sum_dq = a.deterministic ? reinterpret_cast<TileSummary*>(base + plan.kv_sum_dq) : nullptr;
-  p.q_range_dq = a.deterministic ? reinterpret_cast<TileRange*>(base + plan.q_range_dq) : nullptr;
-  p.q_order_dq = a.deterministic ? reinterpret_cast<int*>(base + plan.q_order_dq) : nullptr;
+  p.kv_sum_dq = plan.sm80_dq ? reinterpret_cast<TileSummary*>(base + plan.kv_sum_dq) : nullptr;
+  p.q_range_dq = plan.sm80_dq ? reinterpret_cast<TileRange*>(base + plan.q_range_dq) : nullptr;
+  p.q_order_dq = plan.sm80_dq ? reinterpret_cast<int*>(base + plan.q_order_dq) : nullptr;
   p.nkv_dq = static_cast<int>(plan.nkv_dq);
 
   const int bn = bwd_block_n(s.head_dim), bn_dq = dq_block_n(s.head_dim);
@@ -334,11 +372,14 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   if ((err = launch_tile_ranges(kv_sum, plan.nkv, kv_tok, q_sum, plan.nq, q_tok, s.batch, a.mask,
                                 /*rows_are_q=*/false, const_cast<TileRange*>(p.kv_range), stream)))
     return err;
-  const int index_order_max_work = plan.sm90 ? detail::kBwdIndexOrderMaxQueries / plan.bm : 0;
+  // The deterministic sm_90a kernel's turns need blocks to start in decreasing key tile order.
+  const int index_order_max_work = plan.ordered_dq ? kDecreasingIndexOrder
+                                   : plan.sm90     ? detail::kBwdIndexOrderMaxQueries / plan.bm
+                                                   : 0;
   if ((err = launch_tile_schedule(p.kv_range, s.batch * plan.nkv, index_order_max_work,
                                   const_cast<int*>(p.kv_order), stream)))
     return err;
-  if (a.deterministic) {
+  if (plan.sm80_dq) {
     auto* kv_sum_dq = const_cast<TileSummary*>(p.kv_sum_dq);
     if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, bn_dq, kv_sum_dq, stream)))
       return err;

@@ -18,6 +18,15 @@
 // keeps each tile in the warpgroups' register-fragment order (contiguous, conflict-free
 // shared-memory writes); bwd_sm90_dq_convert_kernel maps it back to [B, Sq, Hq, D], scaled.
 //
+// deterministic=True (D 64 and 128) keeps all of this and fixes the order of the float32 adds
+// into each dQ tile: the key tiles that visit it add in decreasing order, each waiting for its
+// turn on a per-tile semaphore (its ticket: how many higher key tiles visit the tile, from
+// bwd_dq_ticket_kernel) and passing it on once its bulk add has completed. Blocks start in
+// decreasing key-tile order, so no turn waits on a block that has not started, and under causal
+// masks (windows, chunks) the higher key tiles reach a query tile first anyway (FlashAttention-3's
+// deterministic backward orders its dQ adds the same way). dK and dV need no turns: one block
+// writes each key tile's (split GQA groups' partial sums are reduced in a fixed order).
+//
 // D 256 (BwdSm90SplitDTraits, kSplitD) keeps the producer and the masks but not the register
 // budget of 128 keys x 256 for both dK and dV: its key tiles are 64 keys, the warpgroups split
 // the queries of S^T / dP^T and the head dim of dK / dV / dQ, so P^T and dS^T go through shared
@@ -42,6 +51,29 @@ __forceinline__ __device__ void bulk_reduce_add_f32(float* gmem, const float* sm
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
                "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
                : "memory");
+#endif
+}
+
+// The deterministic kernel's turns: a dQ tile's semaphore read with acquire semantics, and set
+// with release semantics once this block's bulk add to the tile is complete. The proxy fences
+// order those generic accesses with the bulk adds (async proxy) on either side.
+__forceinline__ __device__ void wait_turn(const int* sem, int ticket) {
+#if JAXCP_SM90_DEVICE
+  int v;
+  for (;;) {
+    asm volatile("ld.global.acquire.gpu.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+    if (v == ticket) break;
+    __nanosleep(32);
+  }
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+
+__forceinline__ __device__ void pass_turn(int* sem, int next) {
+#if JAXCP_SM90_DEVICE
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the bulk adds are done, not just read
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("st.global.release.gpu.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
 #endif
 }
 
@@ -121,6 +153,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     if constexpr (!KT::kSplitD) {
       if (threadIdx.x / 32 == 1) {
         // ---------------- dQ writer warp: one bulk reduce-add per step ----------------
+        // Deterministic (dq_sem set): a tile's adds take turns, key tiles in decreasing order
+        // (blocks start in that order, so a turn never waits on a block that has not started;
+        // under causal masks the higher key tiles reach a query tile first anyway).
         int h = w.h_begin, i = i_first, c = cls_first;
         bool more = true;
         cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);  // starts empty
@@ -128,13 +163,22 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           const int hs = h, is = i;
           more = next_step(h, i, c);
           cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull);
+          int* sem = nullptr;
+          int ticket = 0;
           if (threadIdx.x == 32) {
+            if (p.dq_sem != nullptr) {
+              sem = p.dq_sem + (static_cast<int64_t>(w.b) * p.Hq + hs) * p.nq + is;
+              ticket = p.dq_ticket[(static_cast<int64_t>(w.b) * p.nkv + w.n_block) * p.nq + is];
+              wait_turn(sem, ticket);
+            }
             bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D), ss.dq.data(), BM * D * 4);
             tma_store_arrive();
             tma_store_wait<0>();  // the buffer has been read
           }
           __syncwarp();
           if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
+          if (sem != nullptr) pass_turn(sem, ticket + 1);
+          __syncwarp();
         } while (more);
         if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
         return;
@@ -507,8 +551,10 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
 }  // namespace detail
 
 bool bwd_use_sm90(const AttentionArgs& a) {
-  if (a.deterministic || sm90_disabled_by_env()) return false;
-  if (a.shape.head_dim != 64 && a.shape.head_dim != 128 && a.shape.head_dim != 256) return false;
+  if (sm90_disabled_by_env()) return false;
+  // Deterministic D 256 stays on the sm_80 kernels: there both warpgroups add dQ from registers.
+  if (a.shape.head_dim != 64 && a.shape.head_dim != 128 && (a.shape.head_dim != 256 || a.deterministic))
+    return false;
   return sm90_kernels_available();
 }
 

@@ -34,15 +34,17 @@ cudaError_t attention_fwd(const AttentionArgs& args, DType dtype, const void* q,
                           const int32_t* kv_seg, const int32_t* kv_pos, void* out, float* lse,
                           void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
-// Bytes of workspace the backward needs: tile summaries, dot(dO, O) rows, and either a float32
-// dQ accumulator [B,Sq,Hq,D] (deterministic=false) or nothing for dQ (deterministic=true), plus
+// Bytes of workspace the backward needs: tile summaries, dot(dO, O) rows, a float32 dQ
+// accumulator (with per-tile turns when deterministic on sm_90a; none for the sm_80
+// deterministic dQ kernel), plus
 // float32 dK/dV partial sums when the query heads of a GQA group are split over several blocks.
 // Depends on the current device (multiprocessor count).
 size_t attention_bwd_workspace_bytes(const AttentionArgs& args);
 
 // Gradients of attention_fwd. `out` and `lse` are the forward's results; `dout` and `dlse`
 // (float32 [B,Hq,Sq], may be null = zeros) the cotangents of out and lse. deterministic=true
-// gives bitwise reproducible dq/dk/dv (dQ by a separate pass per query tile, no atomics).
+// gives bitwise reproducible dq/dk/dv (sm_90a at D 64 / 128: the adds into each dQ tile in a fixed
+// order; otherwise dQ by a separate pass per query tile, no atomics).
 cudaError_t attention_bwd(const AttentionArgs& args, DType dtype, const void* q, const void* k,
                           const void* v, const void* out, const float* lse, const void* dout,
                           const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
