@@ -553,8 +553,16 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
 bool bwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;
   // Deterministic D 256 stays on the sm_80 kernels: there both warpgroups add dQ from registers.
-  if (a.shape.head_dim != 64 && a.shape.head_dim != 128 && (a.shape.head_dim != 256 || a.deterministic))
-    return false;
+  const AttentionShape& s = a.shape;
+  if (s.head_dim != 64 && s.head_dim != 128 && (s.head_dim != 256 || a.deterministic)) return false;
+  if (a.deterministic) {
+    // Its tickets take an int per (key tile, query tile): kept under a quarter of the float32 dQ
+    // accumulator, so that memory stays O(B H S). Longer rows with few heads (e.g. S > 4M at 16
+    // heads of 128, S > 256k with one head) take the sm_80 deterministic kernels.
+    const int64_t sq_pad = ceil_div64(s.q_len, bwd_sm90_block_m(s.head_dim)) * bwd_sm90_block_m(s.head_dim);
+    const int64_t tickets = ceil_div64(s.q_len, bwd_sm90_block_m(s.head_dim)) * ceil_div64(s.kv_len, bwd_block_n(s.head_dim));
+    if (tickets > sq_pad * s.q_heads * s.head_dim / 4) return false;
+  }
   return sm90_kernels_available();
 }
 
