@@ -559,9 +559,8 @@ bool bwd_use_sm90(const AttentionArgs& a) {
     // Its tickets take an int per (key tile, query tile): kept under a quarter of the float32 dQ
     // accumulator, so that memory stays O(B H S). Longer rows with few heads (e.g. S > 4M at 16
     // heads of 128, S > 256k with one head) take the sm_80 deterministic kernels.
-    const int64_t sq_pad = ceil_div64(s.q_len, bwd_sm90_block_m(s.head_dim)) * bwd_sm90_block_m(s.head_dim);
-    const int64_t tickets = ceil_div64(s.q_len, bwd_sm90_block_m(s.head_dim)) * ceil_div64(s.kv_len, bwd_block_n(s.head_dim));
-    if (tickets > sq_pad * s.q_heads * s.head_dim / 4) return false;
+    const int64_t bm = bwd_sm90_block_m(s.head_dim), nq = ceil_div64(s.q_len, bm);
+    if (nq * ceil_div64(s.kv_len, bwd_block_n(s.head_dim)) > nq * bm * s.q_heads * s.head_dim / 4) return false;
   }
   return sm90_kernels_available();
 }
