@@ -9,21 +9,31 @@ namespace detail {
 namespace {
 
 // delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32): the lse
-// cotangent folds into delta since d lse / d s_ij = p_ij. D/8 threads per row.
-// Rows of delta are delta_stride long (Sq, or sq_pad for the sm_90a kernel).
+// cotangent folds into delta since d lse / d s_ij = p_ij. D/8 threads per row; rows in delta's
+// order (b, h, i), so a block's delta stores are consecutive. Rows of delta are delta_stride long
+// (Sq, or sq_pad for the sm_90a kernel). With lse2 (sm_90a), the same pass writes
+// lse2 = lse_log2(lse) and, for the padding i in [Sq, sq_pad), lse2 = +inf and delta = 0
+// (padding queries then give P = 0 and dS = 0, never NaN): one launch fewer.
 template <class Element, int D>
 __global__ void __launch_bounds__(256) bwd_delta_kernel(const Element* __restrict__ out,
                                                         const Element* __restrict__ dout,
                                                         const float* __restrict__ dlse,
+                                                        const float* __restrict__ lse,
+                                                        float* __restrict__ lse2,
                                                         float* __restrict__ delta, int64_t rows,
                                                         int64_t Sq, int Hq, int64_t delta_stride) {
   constexpr int kTpr = D / 8;  // threads per row
+  // row = (b * Hq + h) * delta_stride + i, over i < delta_stride
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / kTpr;
   const int lane = threadIdx.x % kTpr;
+  const int64_t bh = row / delta_stride, i = row % delta_stride;
+  const bool real = row < rows && i < Sq;
   float acc = 0.f;
-  if (row < rows) {
-    const uint4 a = reinterpret_cast<const uint4*>(out + row * D)[lane];
-    const uint4 g = reinterpret_cast<const uint4*>(dout + row * D)[lane];
+  if (real) {
+    const int64_t b = bh / Hq, h = bh % Hq;
+    const int64_t at = ((b * Sq + i) * Hq + h) * D;
+    const uint4 a = reinterpret_cast<const uint4*>(out + at)[lane];
+    const uint4 g = reinterpret_cast<const uint4*>(dout + at)[lane];
     const Element* ea = reinterpret_cast<const Element*>(&a);
     const Element* eg = reinterpret_cast<const Element*>(&g);
     CUTE_UNROLL
@@ -32,28 +42,13 @@ __global__ void __launch_bounds__(256) bwd_delta_kernel(const Element* __restric
   CUTE_UNROLL
   for (int o = kTpr / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   if (row < rows && lane == 0) {
-    // row = (b * Sq + i) * Hq + h  ->  delta[(b * Hq + h) * delta_stride + i]
-    const int64_t h = row % Hq, bi = row / Hq, i = bi % Sq, b = bi / Sq;
-    const int64_t o = (b * Hq + h) * Sq + i;
-    const float d = dlse ? acc - dlse[o] : acc;
-    delta[(b * Hq + h) * delta_stride + i] = d;
-  }
-}
-
-// For the sm_90a kernel, in rows of sq_pad: lse2 = lse_log2(lse), and +inf for the padding,
-// whose delta is zeroed (padding queries then give P = 0 and dS = 0, never NaN).
-__global__ void __launch_bounds__(256) bwd_lse2_kernel(const float* __restrict__ lse,
-                                                       float* __restrict__ lse2,
-                                                       float* __restrict__ delta, int64_t rows,
-                                                       int64_t Sq, int64_t sq_pad) {
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; idx < rows * sq_pad;
-       idx += static_cast<int64_t>(gridDim.x) * 256) {
-    const int64_t row = idx / sq_pad, i = idx % sq_pad;
-    if (i < Sq) {
-      lse2[idx] = lse_log2(lse[row * Sq + i]);
+    if (real) {
+      const int64_t o = bh * Sq + i;  // [B, Hq, Sq]
+      delta[row] = dlse ? acc - dlse[o] : acc;
+      if (lse2) lse2[row] = lse_log2(lse[o]);
     } else {
-      lse2[idx] = INFINITY;
-      delta[idx] = 0.f;
+      delta[row] = 0.f;
+      lse2[row] = INFINITY;  // only the sm_90a layout has padding (delta_stride > Sq)
     }
   }
 }
@@ -231,20 +226,18 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
                     const float* dlse, void* dq, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
   cudaError_t err;
-  // delta = rowsum(dO * O)
+  // delta = rowsum(dO * O), and for the sm_90a kernel lse2
   {
-    const int64_t rows = s.batch * s.q_len * s.q_heads;
+    const int64_t stride = plan.sm90 ? plan.sq_pad : s.q_len;
+    const int64_t rows = s.batch * s.q_heads * stride;
     constexpr int kRowsPerBlock = 256 / (D / 8);
     bwd_delta_kernel<Element, D><<<static_cast<unsigned>(ceil_div64(rows, kRowsPerBlock)), 256, 0, stream>>>(
-        static_cast<const Element*>(out), static_cast<const Element*>(p.dout), dlse,
-        const_cast<float*>(p.delta), rows, s.q_len, p.Hq, plan.sm90 ? plan.sq_pad : s.q_len);
+        static_cast<const Element*>(out), static_cast<const Element*>(p.dout), dlse, p.lse,
+        plan.sm90 ? const_cast<float*>(p.lse2) : nullptr, const_cast<float*>(p.delta), rows, s.q_len, p.Hq,
+        stride);
     if ((err = cudaGetLastError())) return err;
   }
   if (plan.sm90) {
-    const int64_t rows = s.batch * s.q_heads;
-    bwd_lse2_kernel<<<grid_for(rows * plan.sq_pad, 256), 256, 0, stream>>>(
-        p.lse, const_cast<float*>(p.lse2), const_cast<float*>(p.delta), rows, s.q_len, plan.sq_pad);
-    if ((err = cudaGetLastError())) return err;
     bwd_q_ids_kernel<<<grid_for(s.batch * plan.sq_pad, 256), 256, 0, stream>>>(
         p.q_seg, p.q_pos, const_cast<ColMask*>(p.q_ids), s.batch, s.q_len, plan.sq_pad);
     if ((err = cudaGetLastError())) return err;

@@ -42,6 +42,17 @@ __device__ bool tokens_interact(const TileTokens& q, int64_t q0, int nq, const T
   return detail::allowed_key_span(q.seg + qa, q.pos + qa, nq, kv.seg + ka, kv.pos + ka, nk, m).x != INT_MAX;
 }
 
+// Whether the run of n tokens with summary a (the warp's) is one document whose positions are
+// consecutive (each one more than the last). For such a run, one token of the other side
+// interacts with some token of the run exactly when classify_tiles does not skip the pair of
+// summaries: a row's allowed keys, and a key's allowed rows, form one interval of positions.
+__device__ bool run_is_consecutive(const TileSummary& a, const int32_t* pos, int n) {
+  if (a.seg_min != a.seg_max || static_cast<int64_t>(a.pos_max) - a.pos_min != n - 1) return false;
+  bool rising = true;
+  for (int i = 1 + static_cast<int>(threadIdx.x % 32); i < n; i += 32) rising &= pos[i] > pos[i - 1];
+  return __all_sync(0xffffffffu, rising);
+}
+
 // One warp per row tile scans all column tiles. The ends of the range are then checked pair by
 // pair and tiles with no allowed pair dropped (with the skipped run behind them): otherwise the
 // kernels would compute such a tile, and walk the run of skipped tiles between it and the rest
@@ -98,9 +109,21 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
     const int2 range = detail::warp_unskipped_range(n_cols, class_of);
     int f = range.x, l = range.y;
     if (f <= l) {
+      const bool consecutive = run_is_consecutive(a, row_pos + lo, hi - lo);
       auto interacts = [&](int c) {
         const int64_t c0 = static_cast<int64_t>(c) * col_tokens.tile;
         const int nc = static_cast<int>(min(static_cast<int64_t>(col_tokens.tile), col_tokens.len - c0));
+        // Each token of tile c against the run's summary: never misses an allowed pair, and
+        // exact when the run is one document with consecutive positions (the usual case), so
+        // the pair-by-pair check (a serial walk over 64-128 rows) runs only for other runs.
+        const int64_t ca = b * col_tokens.len + c0;
+        bool any = false;
+        for (int i = lane; i < nc; i += 32) {
+          const TileSummary t = detail::token_summary(col_tokens.seg[ca + i], col_tokens.pos[ca + i]);
+          any |= (rows_are_q ? classify_tiles(a, t, mask) : classify_tiles(t, a, mask)) != TileClass::kSkip;
+        }
+        any = __any_sync(0xffffffffu, any);
+        if (!any || consecutive) return any;
         return rows_are_q ? tokens_interact(row_tokens, tok0 + lo, hi - lo, col_tokens, c0, nc, b, mask)
                           : tokens_interact(col_tokens, c0, nc, row_tokens, tok0 + lo, hi - lo, b, mask);
       };
