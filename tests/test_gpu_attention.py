@@ -147,23 +147,27 @@ def test_cross_attention_and_permuted_tokens():
            kv_segment_ids=kv_seg[:, perm], kv_positions=np.tile(np.arange(333, dtype=np.int32)[perm], (2, 1)))
 
 
-def test_deterministic_backward_is_bitwise_reproducible():
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_backward_is_bitwise_reproducible(head_dim):
+  """Long documents, so that many key tiles add into each dQ tile (up to 32 at D 256)."""
   rng = np.random.default_rng(4)
-  seg = random_segments(rng, 2, 1024, mean_doc=300)
-  q, k, v, do = _qkv(4, 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
+  seg = random_segments(rng, 2, 2048, mean_doc=1500)
+  q, k, v, do = _qkv(4, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
   f = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: jaxcp.attention(
       q, k, v, segment_ids=seg, is_causal=True, deterministic=True), q, k, v)[1](do))
-  a, b = f(q, k, v), f(q, k, v)
-  for x, y in zip(a, b):
-    np.testing.assert_array_equal(np.asarray(x.view(jnp.uint16)), np.asarray(y.view(jnp.uint16)))
+  a = f(q, k, v)
+  for _ in range(2):
+    for x, y in zip(a, f(q, k, v)):
+      np.testing.assert_array_equal(np.asarray(x.view(jnp.uint16)), np.asarray(y.view(jnp.uint16)))
 
 
 @pytest.mark.parametrize("mask", ["full", "causal", "causal_window", "causal_chunk"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_deterministic_backward(mask, head_dim):
-  """deterministic=True on Hopper: at D 64 / 128 the sm_90a backward, each dQ tile's adds taking
-  turns in decreasing key-tile order (blocks start in that order); at D 256 the sm_80 kernels.
-  Against the reference, with a GQA group split over blocks, and bitwise equal over two calls."""
+  """deterministic=True on Hopper: the sm_90a backward, each dQ tile's adds taking turns in
+  decreasing key-tile order (blocks start in that order): the writer warp's bulk adds at D 64 /
+  128, both warpgroups' register adds at D 256. Against the reference, with a GQA group split
+  over blocks, and bitwise equal over two calls."""
   rng = np.random.default_rng(8)
   seg = random_segments(rng, 2, 900, mean_doc=300)
   q, k, v, do = _qkv(8, 2, 900, 900, 8, 2, head_dim, jnp.bfloat16)
@@ -175,13 +179,15 @@ def test_deterministic_backward(mask, head_dim):
     np.testing.assert_array_equal(np.asarray(x.view(jnp.uint16)), np.asarray(y.view(jnp.uint16)))
 
 
-def test_deterministic_backward_sm80_kernels(monkeypatch):
-  """The sm_80 deterministic backward (its own dQ kernel) stays correct where sm_90a runs too."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_deterministic_backward_sm80_kernels(monkeypatch, head_dim):
+  """The sm_80 deterministic backward (its own dQ kernel; it runs on rows too long for the
+  sm_90a kernel's tickets, and before Hopper) stays correct where sm_90a runs too."""
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   rng = np.random.default_rng(9)
   seg = random_segments(rng, 2, 700, mean_doc=150)
-  _compare(*_qkv(9, 2, 700, 700, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True,
-           deterministic=True)
+  _compare(*_qkv(9, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg,
+           is_causal=True, deterministic=True)
 
 
 def test_one_row_of_256k_forward_and_backward_fits():

@@ -18,7 +18,7 @@
 // keeps each tile in the warpgroups' register-fragment order (contiguous, conflict-free
 // shared-memory writes); bwd_sm90_dq_convert_kernel maps it back to [B, Sq, Hq, D], scaled.
 //
-// deterministic=True (D 64 and 128) keeps all of this and fixes the order of the float32 adds
+// deterministic=True keeps all of this and fixes the order of the float32 adds
 // into each dQ tile: the key tiles that visit it add in decreasing order, each waiting for its
 // turn on a per-tile semaphore (its ticket: how many higher key tiles visit the tile, from
 // bwd_dq_ticket_kernel) and passing it on once its bulk add has completed. Blocks start in
@@ -34,6 +34,9 @@
 // registers (red.global.add.v4.f32, in the same fragment order; there is no room for a float32
 // dQ tile in shared memory next to the D 256 tiles). On 2 x 8k with documents of 1k (H100) it is
 // bound by L2 (89% of its throughput: Q and dO loads and those reductions, 64 KB each per step).
+// Deterministic, both warpgroups add inside the block's turn: one thread waits for it and a
+// barrier lets them in; after each thread's adds and a fence, a second barrier, and one thread
+// passes the turn on.
 #include <climits>
 
 #include "attention_bwd_sm90_traits.cuh"
@@ -73,6 +76,13 @@ __forceinline__ __device__ void pass_turn(int* sem, int next) {
 #if JAXCP_SM90_DEVICE
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the bulk adds are done, not just read
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("st.global.release.gpu.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
+#endif
+}
+
+// pass_turn for adds made by the threads themselves (red.global, generic proxy), each fenced.
+__forceinline__ __device__ void release_turn(int* sem, int next) {
+#if JAXCP_SM90_DEVICE
   asm volatile("st.global.release.gpu.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
 #endif
 }
@@ -425,11 +435,27 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(read_do);
         // dQ += dS K (unscaled), this warpgroup's half, in the fragment order of the dQ tiles.
+        // Deterministic (dq_sem set): both warpgroups add within this block's turn on the tile.
         constexpr int kChunks = decltype(size(acc_dq))::value / 4;
         float* gdq = p.dq_accum + dq_tile_offset(p, w.b, step.h, i, BM * D) + (wg * kChunks * 128 + t_wg) * 4;
+        int* sem = nullptr;
+        int ticket = 0;
+        if (p.dq_sem != nullptr) {
+          sem = p.dq_sem + (static_cast<int64_t>(w.b) * p.Hq + step.h) * p.nq + i;
+          if (tidx == 0) {
+            ticket = p.dq_ticket[(static_cast<int64_t>(w.b) * p.nkv + w.n_block) * p.nq + i];
+            wait_turn(sem, ticket);
+          }
+          cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
+        }
         CUTE_UNROLL
         for (int ch = 0; ch < kChunks; ++ch)
           red_add_v4(gdq + ch * 512, acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
+        if (sem != nullptr) {
+          __threadfence();  // every thread's adds, before the turn passes on
+          cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
+          if (tidx == 0) release_turn(sem, ticket + 1);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
@@ -552,9 +578,8 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
 
 bool bwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;
-  // Deterministic D 256 stays on the sm_80 kernels: there both warpgroups add dQ from registers.
   const AttentionShape& s = a.shape;
-  if (s.head_dim != 64 && s.head_dim != 128 && (s.head_dim != 256 || a.deterministic)) return false;
+  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) return false;
   if (a.deterministic) {
     // Its tickets take an int per (key tile, query tile): kept under a quarter of the float32 dQ
     // accumulator, so that memory stays O(B H S). Longer rows with few heads (e.g. S > 4M at 16

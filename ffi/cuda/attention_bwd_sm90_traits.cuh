@@ -126,8 +126,8 @@ struct BwdSm90SplitDTraits : BwdSm90Common<Element_, 256, 64, 2, 1> {
   static constexpr bool kSplitD = true;
   static constexpr int kD = 256, kBM = Base::kBM, kBN = Base::kBN;
   // Named barriers: 0 __syncthreads; 1 / 2 both warpgroups' P^T / dS^T are in shared memory;
-  // 4, 5 a warpgroup's query masks.
-  static constexpr int kBarP = 1, kBarDS = 2, kBarQMasks = 4;
+  // 3 the deterministic dQ turn taken / done; 4, 5 a warpgroup's query masks.
+  static constexpr int kBarP = 1, kBarDS = 2, kBarTurn = 3, kBarQMasks = 4;
 
   using AtomCols = Layout<Shape<_1, _2, _1>>;
   // S^T, dP^T (keys x queries): the warpgroups split the queries.
