@@ -127,8 +127,9 @@ cudaError_t launch_bwd_dq(const BwdParams& p, cudaStream_t stream);
 
 namespace jaxcp::cuda {
 // attention_bwd_sm90_kernels.cu: whether the sm_90a dK/dV kernel runs these arguments (the
-// device is sm_90 with this build's sm_90a image, a head dim it has: 64, 128, and 256 when not
-// deterministic; deterministic rows not too long for their heads), and its launcher (dK, dV, and dQ through p.dq_accum, converted into p.dq).
+// device is sm_90 with this build's sm_90a image, a head dim it has: 64, 128 or 256; when
+// deterministic, rows not too long for their heads), and its launcher (dK, dV, and dQ through
+// p.dq_accum, converted into p.dq).
 bool bwd_use_sm90(const AttentionArgs& args);
 cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, cudaStream_t stream);
 }  // namespace jaxcp::cuda
