@@ -40,14 +40,14 @@ def main():
     jax.block_until_ready([fn(*args) for _ in range(6)])
   events = gpu_events(trace_dir)
   starts = [i for i, e in enumerate(events) if e[2] == events[0][2]]  # a call's first op
-  first = starts[-2] if len(starts) >= 2 else 0
+  calls = min(2, len(starts))
+  first = starts[-calls]
   end, busy = None, 0
   for start, dur, name in events[first:]:
     gap = (start - end) / 1e3 if end is not None else 0.0
     print(f"gap {gap:7.1f} us  {dur / 1e3:9.1f} us  {name[:100]}")
     end = max(end or 0, start + dur)
     busy += dur
-  calls = len(starts) - starts.index(first) if first in starts else 1
   print(f"{calls} calls: span {(end - events[first][0]) / 1e3:.1f} us, busy {busy / 1e3:.1f} us")
 
 

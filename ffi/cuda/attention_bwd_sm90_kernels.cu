@@ -80,6 +80,16 @@ __forceinline__ __device__ void pass_turn(int* sem, int next) {
 #endif
 }
 
+// Block (b, key tile n)'s turn on dQ tile (b, h, m): the tile's semaphore and the block's ticket.
+struct DqTurn {
+  int* sem;
+  int ticket;
+};
+__forceinline__ __device__ DqTurn dq_turn(const BwdParams& p, int b, int h, int n, int m) {
+  return DqTurn{p.dq_sem + (static_cast<int64_t>(b) * p.Hq + h) * p.nq + m,
+                p.dq_ticket[(static_cast<int64_t>(b) * p.nkv + n) * p.nq + m]};
+}
+
 // pass_turn for adds made by the threads themselves (red.global, generic proxy), each fenced.
 __forceinline__ __device__ void release_turn(int* sem, int next) {
 #if JAXCP_SM90_DEVICE
@@ -173,13 +183,11 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           const int hs = h, is = i;
           more = next_step(h, i, c);
           cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull);
-          int* sem = nullptr;
-          int ticket = 0;
+          DqTurn turn{nullptr, 0};
           if (threadIdx.x == 32) {
             if (p.dq_sem != nullptr) {
-              sem = p.dq_sem + (static_cast<int64_t>(w.b) * p.Hq + hs) * p.nq + is;
-              ticket = p.dq_ticket[(static_cast<int64_t>(w.b) * p.nkv + w.n_block) * p.nq + is];
-              wait_turn(sem, ticket);
+              turn = dq_turn(p, w.b, hs, w.n_block, is);
+              wait_turn(turn.sem, turn.ticket);
             }
             bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D), ss.dq.data(), BM * D * 4);
             tma_store_arrive();
@@ -187,7 +195,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           }
           __syncwarp();
           if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
-          if (sem != nullptr) pass_turn(sem, ticket + 1);
+          if (turn.sem != nullptr) pass_turn(turn.sem, turn.ticket + 1);
           __syncwarp();
         } while (more);
         if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -438,23 +446,22 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // Deterministic (dq_sem set): both warpgroups add within this block's turn on the tile.
         constexpr int kChunks = decltype(size(acc_dq))::value / 4;
         float* gdq = p.dq_accum + dq_tile_offset(p, w.b, step.h, i, BM * D) + (wg * kChunks * 128 + t_wg) * 4;
-        int* sem = nullptr;
-        int ticket = 0;
-        if (p.dq_sem != nullptr) {
-          sem = p.dq_sem + (static_cast<int64_t>(w.b) * p.Hq + step.h) * p.nq + i;
+        const bool ordered = p.dq_sem != nullptr;
+        DqTurn turn{nullptr, 0};
+        if (ordered) {
           if (tidx == 0) {
-            ticket = p.dq_ticket[(static_cast<int64_t>(w.b) * p.nkv + w.n_block) * p.nq + i];
-            wait_turn(sem, ticket);
+            turn = dq_turn(p, w.b, step.h, w.n_block, i);
+            wait_turn(turn.sem, turn.ticket);
           }
           cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
         }
         CUTE_UNROLL
         for (int ch = 0; ch < kChunks; ++ch)
           red_add_v4(gdq + ch * 512, acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
-        if (sem != nullptr) {
+        if (ordered) {
           __threadfence();  // every thread's adds, before the turn passes on
           cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
-          if (tidx == 0) release_turn(sem, ticket + 1);
+          if (tidx == 0) release_turn(turn.sem, turn.ticket + 1);
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);

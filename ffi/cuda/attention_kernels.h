@@ -43,8 +43,8 @@ size_t attention_bwd_workspace_bytes(const AttentionArgs& args);
 
 // Gradients of attention_fwd. `out` and `lse` are the forward's results; `dout` and `dlse`
 // (float32 [B,Hq,Sq], may be null = zeros) the cotangents of out and lse. deterministic=true
-// gives bitwise reproducible dq/dk/dv (sm_90a at D 64 / 128: the adds into each dQ tile in a fixed
-// order; otherwise dQ by a separate pass per query tile, no atomics).
+// gives bitwise reproducible dq/dk/dv (sm_90a: the adds into each dQ tile in a fixed order;
+// sm_80 kernels: dQ by a separate pass per query tile, no atomics).
 cudaError_t attention_bwd(const AttentionArgs& args, DType dtype, const void* q, const void* k,
                           const void* v, const void* out, const float* lse, const void* dout,
                           const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
