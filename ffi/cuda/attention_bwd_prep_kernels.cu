@@ -8,61 +8,73 @@ namespace jaxcp::cuda {
 namespace detail {
 namespace {
 
-// delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32): the lse
-// cotangent folds into delta since d lse / d s_ij = p_ij. D/8 threads per row; rows in delta's
-// order (b, h, i), so a block's delta stores are consecutive. Rows of delta are delta_stride long
-// (Sq, or sq_pad for the sm_90a kernel). With lse2 (sm_90a), the same pass writes
-// lse2 = lse_log2(lse) and, for the padding i in [Sq, sq_pad), lse2 = +inf and delta = 0
-// (padding queries then give P = 0 and dS = 0, never NaN): one launch fewer.
+// The backward's pre-pass, one launch, bandwidth-bound: for each row (b, h, i) of delta,
+//   delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32): the lse
+//     cotangent folds into delta since d lse / d s_ij = p_ij;
+//   with dq_accum, zeros D floats of the float32 dQ accumulator (rows * D floats in all, whatever
+//     its layout), instead of a memset of its own;
+//   with lse2 (sm_90a), lse2 = lse_log2(lse), and for the padding i in [Sq, stride), lse2 = +inf
+//     and delta = 0 (padding queries then give P = 0 and dS = 0, never NaN);
+//   with q_ids (sm_90a, blocks of h = 0), q_ids[b, i] = (segment, position) of query i, zeros past
+//     Sq: rows of sq_pad, so that the sm_90a producer loads a query tile's with one bulk copy.
+// Rows of delta are `stride` long (Sq, or sq_pad for the sm_90a kernel); each block holds rows of
+// one (b, h), D/8 threads per row. Lane 0 issues its small loads before the row's, so that every
+// thread has one round trip to memory.
+struct BwdPrepArgs {
+  const void* out;
+  const void* dout;
+  const float* dlse;   // [B, Hq, Sq] or null
+  const float* lse;    // [B, Hq, Sq]
+  float* lse2;         // [B, Hq, stride] or null
+  float* delta;        // [B, Hq, stride]
+  float* dq_accum;     // B * Hq * stride * D floats, or null
+  const int32_t* q_seg;
+  const int32_t* q_pos;
+  ColMask* q_ids;      // [B, stride] or null
+  int64_t Sq, stride;
+  int Hq, blocks_per_bh;
+};
+
 template <class Element, int D>
-__global__ void __launch_bounds__(256) bwd_delta_kernel(const Element* __restrict__ out,
-                                                        const Element* __restrict__ dout,
-                                                        const float* __restrict__ dlse,
-                                                        const float* __restrict__ lse,
-                                                        float* __restrict__ lse2,
-                                                        float* __restrict__ delta, int64_t rows,
-                                                        int64_t Sq, int Hq, int64_t delta_stride) {
+__global__ void __launch_bounds__(256) bwd_prep_kernel(const BwdPrepArgs a) {
   constexpr int kTpr = D / 8;  // threads per row
-  // row = (b * Hq + h) * delta_stride + i, over i < delta_stride
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / kTpr;
-  const int lane = threadIdx.x % kTpr;
-  const int64_t bh = row / delta_stride, i = row % delta_stride;
-  const bool real = row < rows && i < Sq;
+  constexpr int kRows = 256 / kTpr;
+  const int bh = static_cast<int>(blockIdx.x) / a.blocks_per_bh;
+  const int b = bh / a.Hq, h = bh % a.Hq;
+  const int64_t i = static_cast<int64_t>(static_cast<int>(blockIdx.x) % a.blocks_per_bh) * kRows +
+                    static_cast<int>(threadIdx.x) / kTpr;
+  const int lane = static_cast<int>(threadIdx.x) % kTpr;
+  const bool in = i < a.stride, real = i < a.Sq;
+  const int64_t row = static_cast<int64_t>(bh) * a.stride + i;
+  const int64_t o = static_cast<int64_t>(bh) * a.Sq + i;  // [B, Hq, Sq]
+  float row_lse = 0.f, row_dlse = 0.f;
+  ColMask id{0, 0};
+  if (real && lane == 0) {
+    if (a.lse2) row_lse = a.lse[o];
+    if (a.dlse) row_dlse = a.dlse[o];
+    if (a.q_ids && h == 0) id = ColMask{a.q_seg[b * a.Sq + i], a.q_pos[b * a.Sq + i]};
+  }
   float acc = 0.f;
   if (real) {
-    const int64_t b = bh / Hq, h = bh % Hq;
-    const int64_t at = ((b * Sq + i) * Hq + h) * D;
-    const uint4 a = reinterpret_cast<const uint4*>(out + at)[lane];
-    const uint4 g = reinterpret_cast<const uint4*>(dout + at)[lane];
-    const Element* ea = reinterpret_cast<const Element*>(&a);
+    const int64_t at = ((b * a.Sq + i) * a.Hq + h) * D;
+    const uint4 x = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.out) + at)[lane];
+    const uint4 g = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.dout) + at)[lane];
+    const Element* ex = reinterpret_cast<const Element*>(&x);
     const Element* eg = reinterpret_cast<const Element*>(&g);
     CUTE_UNROLL
-    for (int e = 0; e < 8; ++e) acc += static_cast<float>(ea[e]) * static_cast<float>(eg[e]);
+    for (int e = 0; e < 8; ++e) acc += static_cast<float>(ex[e]) * static_cast<float>(eg[e]);
+  }
+  if (in && a.dq_accum) {
+    float4* zero = reinterpret_cast<float4*>(a.dq_accum + row * D) + 2 * lane;
+    zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   CUTE_UNROLL
-  for (int o = kTpr / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (row < rows && lane == 0) {
-    if (real) {
-      const int64_t o = bh * Sq + i;  // [B, Hq, Sq]
-      delta[row] = dlse ? acc - dlse[o] : acc;
-      if (lse2) lse2[row] = lse_log2(lse[o]);
-    } else {
-      delta[row] = 0.f;
-      lse2[row] = INFINITY;  // only the sm_90a layout has padding (delta_stride > Sq)
-    }
-  }
-}
-
-// q_ids[b, i] = (segment, position) of query i of row b, zeros past Sq: rows of sq_pad, so that
-// the sm_90a kernel's producer loads a query tile's with one bulk copy, next to its Q.
-__global__ void __launch_bounds__(256) bwd_q_ids_kernel(const int32_t* __restrict__ q_seg,
-                                                        const int32_t* __restrict__ q_pos,
-                                                        ColMask* __restrict__ q_ids, int64_t B, int64_t Sq,
-                                                        int64_t sq_pad) {
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; idx < B * sq_pad;
-       idx += static_cast<int64_t>(gridDim.x) * 256) {
-    const int64_t b = idx / sq_pad, i = idx % sq_pad;
-    q_ids[idx] = i < Sq ? ColMask{q_seg[b * Sq + i], q_pos[b * Sq + i]} : ColMask{0, 0};
+  for (int s = kTpr / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (in && lane == 0) {
+    a.delta[row] = real ? acc - row_dlse : 0.f;
+    if (a.lse2) a.lse2[row] = real ? lse_log2(row_lse) : INFINITY;
+    if (a.q_ids && h == 0) a.q_ids[b * a.stride + i] = id;
   }
 }
 
@@ -226,27 +238,21 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
                     const float* dlse, void* dq, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
   cudaError_t err;
-  // delta = rowsum(dO * O), and for the sm_90a kernel lse2
+  // delta = rowsum(dO * O) - dlse, the dQ accumulator's zeros, and for the sm_90a kernel lse2 and
+  // q_ids: one pass
   {
     const int64_t stride = plan.sm90 ? plan.sq_pad : s.q_len;
-    const int64_t rows = s.batch * s.q_heads * stride;
     constexpr int kRowsPerBlock = 256 / (D / 8);
-    bwd_delta_kernel<Element, D><<<static_cast<unsigned>(ceil_div64(rows, kRowsPerBlock)), 256, 0, stream>>>(
-        static_cast<const Element*>(out), static_cast<const Element*>(p.dout), dlse, p.lse,
-        plan.sm90 ? const_cast<float*>(p.lse2) : nullptr, const_cast<float*>(p.delta), rows, s.q_len, p.Hq,
-        stride);
-    if ((err = cudaGetLastError())) return err;
-  }
-  if (plan.sm90) {
-    bwd_q_ids_kernel<<<grid_for(s.batch * plan.sq_pad, 256), 256, 0, stream>>>(
-        p.q_seg, p.q_pos, const_cast<ColMask*>(p.q_ids), s.batch, s.q_len, plan.sq_pad);
+    BwdPrepArgs prep{out, p.dout, dlse, p.lse, plan.sm90 ? const_cast<float*>(p.lse2) : nullptr,
+                     const_cast<float*>(p.delta), plan.sm80_dq ? nullptr : p.dq_accum, p.q_seg, p.q_pos,
+                     plan.sm90 ? const_cast<ColMask*>(p.q_ids) : nullptr, s.q_len, stride, p.Hq,
+                     static_cast<int>(ceil_div64(stride, kRowsPerBlock))};
+    const int64_t blocks = s.batch * s.q_heads * prep.blocks_per_bh;
+    if (blocks > INT_MAX) return cudaErrorInvalidValue;
+    bwd_prep_kernel<Element, D><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(prep);
     if ((err = cudaGetLastError())) return err;
   }
   const int64_t q_elems = s.batch * s.q_len * s.q_heads * s.head_dim;
-  if (!plan.sm80_dq) {
-    const int64_t accum = s.batch * (plan.sm90 ? plan.sq_pad : s.q_len) * s.q_heads * s.head_dim;
-    if ((err = cudaMemsetAsync(p.dq_accum, 0, sizeof(float) * accum, stream))) return err;
-  }
   if (plan.ordered_dq) {
     if ((err = cudaMemsetAsync(p.dq_sem, 0, sizeof(int) * s.batch * s.q_heads * plan.nq, stream))) return err;
     const dim3 grid(static_cast<unsigned>(ceil_div64(plan.nq, 256)), static_cast<unsigned>(s.batch));

@@ -503,10 +503,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
 }
 
 // dq[b, q0 + r, h, :] = Element(scale * accumulator), from the fragment-ordered float32 tiles
-// (tiles the dK/dV blocks never touched hold the memset's zeros). One block per query tile. The
-// fragment order puts a warp's pairs on 8 rows x 16 bytes, so storing them straight to dq wrote
-// half sectors (3x the time of its bytes); the tile goes through shared memory row by row, and
-// leaves in 16-byte stores, a row of D columns from consecutive threads.
+// (tiles the dK/dV blocks never touched hold the pre-pass's zeros). One block per query tile, the
+// heads of a tile in consecutive blocks, so that blocks running together write whole rows of dq
+// (H200, 2 x 8k: 48.4 us against 50 us with heads outermost). The fragment order puts a warp's
+// pairs on 8 rows x 16 bytes, so storing them straight to dq wrote half sectors (3x the time of
+// its bytes); the tile goes through shared memory row by row, and leaves in 16-byte stores, a row
+// of D columns from consecutive threads.
 template <class KT>
 __global__ void __launch_bounds__(256) bwd_sm90_dq_convert_kernel(const BwdParams p) {
 #if JAXCP_SM90_DEVICE
@@ -514,9 +516,9 @@ __global__ void __launch_bounds__(256) bwd_sm90_dq_convert_kernel(const BwdParam
   constexpr int BM = KT::kBM, D = KT::kD;
   constexpr int kPitch = D + 8;  // row pitch (elements): rows 4 banks apart, pair stores conflict-free
   __shared__ alignas(16) Element tile[BM * kPitch];
-  const int m = static_cast<int>(blockIdx.x % p.nq);
-  const int h = static_cast<int>(blockIdx.x / p.nq % p.Hq);
-  const int b = static_cast<int>(blockIdx.x / p.nq / p.Hq);
+  const int h = static_cast<int>(blockIdx.x % p.Hq);
+  const int m = static_cast<int>(blockIdx.x / p.Hq % p.nq);
+  const int b = static_cast<int>(blockIdx.x / p.Hq / p.nq);
   const int tidx = threadIdx.x, wg = tidx / 128, t_wg = tidx % 128;
   typename KT::TiledMmadQ mma_dq;
   Tensor tc = mma_dq.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
