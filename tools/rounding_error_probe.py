@@ -1,0 +1,67 @@
+"""How far the CUDA kernels' gradients are from the exact result on the GPU property tests' random
+rows, next to how far the roundings of a flash-attention kernel alone take them
+(tests/rounded_reference.py): the measurement behind those tests' gradient tolerance.
+
+For each of N fresh examples of a property test's strategy it prints, per tensor, the worst row
+error (tests/helpers.py's row_errors, floor 1.0) of jaxcp and of JAX's XLA path against the exact
+float64 result, of the bfloat16 rounding model, and the largest ratio of jaxcp's row error to
+the model's. The worst example's rows go to $OUT/rounding_worst.npz.
+
+  python3 tools/rounding_error_probe.py [--test cross|packed] [--mask window] [--examples 100]
+"""
+import argparse
+import os
+import sys
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from tests import test_gpu_properties as props  # noqa: E402
+from tests.helpers import allowed_pairs, row_errors  # noqa: E402
+from tests.rounded_reference import attention_grads  # noqa: E402
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--test", choices=["cross", "packed"], default="cross")
+  ap.add_argument("--mask", default="window")
+  ap.add_argument("--examples", type=int, default=100)
+  a = ap.parse_args()
+  strategy = props.cross_batch() if a.test == "cross" else props.packed_batch(props.S)
+  mask = props.MASKS[a.mask]
+  names = ["out", "dq", "dk", "dv"]
+  worst, worst_ratio = None, 0.0
+  over_model = {name: [] for name in names}  # per example: jaxcp's worst row error / the model's
+  for n in range(a.examples):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      batch = strategy.example()
+    q_seg, q_pos, kv_seg, kv_pos = batch if a.test == "cross" else (*batch, *batch)
+    inputs = props._inputs(128, q_seg.shape[1], kv_seg.shape[1], jnp.bfloat16, props.HKV)
+    args = (*inputs, q_seg, q_pos, kv_seg, kv_pos)
+    got = props._runner("cuda", a.mask)(*args)
+    xla = props._runner("xla", a.mask)(*args)
+    pairs = allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, causal=mask.get("is_causal", False),
+                          window=mask.get("local_window_size"), chunk=mask.get("chunk_size"))
+    exact = attention_grads(*inputs, pairs)
+    model = attention_grads(*inputs, pairs, rounding=jnp.bfloat16)
+    pick = lambda r: [r[0], *r[2:]]  # drop lse
+    line, ratio = [], 0.0
+    for name, g, x, e, m in zip(names, pick(got), pick(xla), exact, model):
+      eg, ex, em = (row_errors(t, e, floor=1.0) for t in (g, x, m))
+      ratio = max(ratio, float(np.max(eg / np.maximum(em, 1e-3))))
+      over_model[name].append(eg.max() / max(em.max(), 1e-6))
+      line.append(f"{name} jaxcp {eg.max():.3f} xla {ex.max():.3f} model {em.max():.3f}")
+    print(f"{n:3d} {' | '.join(line)} | ratio {ratio:.2f}", flush=True)
+    if ratio > worst_ratio:
+      worst_ratio, worst = ratio, dict(q_seg=q_seg, q_pos=q_pos, kv_seg=kv_seg, kv_pos=kv_pos)
+  print(f"largest jaxcp / model row error ratio: {worst_ratio:.2f}")
+  print("jaxcp's worst row / the model's worst row, mean (max) over examples: " +
+        ", ".join(f"{k} {np.mean(v):.2f} ({np.max(v):.2f})" for k, v in over_model.items()))
+  np.savez(os.path.join(os.environ.get("OUT", "."), "rounding_worst.npz"), **worst)
+
+
+if __name__ == "__main__":
+  main()
