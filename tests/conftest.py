@@ -1,4 +1,6 @@
-"""Test setup: 8 host devices for sharding tests; `gpu` marker skipped where no GPU exists."""
+"""Test setup: 8 host devices for sharding tests; `gpu` marker skipped where no GPU exists;
+hypothesis prints the @reproduce_failure line of a failing example (CI and the GPU hosts keep no
+example database between runs, so that line is how a failure is replayed)."""
 import os
 
 # Must be set before JAX initialises its backends.
@@ -6,8 +8,12 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+hypothesis.settings.register_profile("jaxcp", print_blob=True)
+hypothesis.settings.load_profile("jaxcp")
 
 
 def _has_gpu() -> bool:

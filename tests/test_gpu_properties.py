@@ -42,8 +42,7 @@ PIECES = {  # kind of stretch: its length range
     "padding": (1, 40),
 }
 ORDERS = ["as_is", "reversed", "striped2", "striped4", "striped8", "shuffled"]
-# print_blob: a failure prints the @reproduce_failure line that replays its example.
-SETTINGS = settings(max_examples=30, deadline=None, print_blob=True,
+SETTINGS = settings(max_examples=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                            HealthCheck.large_base_example])
 
