@@ -108,7 +108,11 @@ def rows_close(got, want, tol, what, *, rows_leading=False, floor=0.1, zero_rows
   np.testing.assert_array_equal(a[zero], 0, err_msg=f"{what}: rows that must be zero")
 
 
-def grads_close(grads, rounding_model, *, tol=0.1, model_margin=3.0):
+GRAD_ROW_TOL = 0.1      # grads_close: every gradient row within this ...
+GRAD_MODEL_MARGIN = 3.0  # ... or within this many times its error under the rounding model
+
+
+def grads_close(grads, rounding_model, *, tol=GRAD_ROW_TOL, model_margin=GRAD_MODEL_MARGIN):
   """Gradients of a bfloat16 / float16 kernel against a reference, row by row: `grads` holds
   (name, got, reference, rows that must be zero). A gradient row can be a sum that cancels (a
   query with one allowed key has dq = 0 in exact arithmetic, and a rounding-sized one in a

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tests import test_gpu_properties as props  # noqa: E402
-from tests.helpers import allowed_pairs, row_errors  # noqa: E402
+from tests.helpers import GRAD_MODEL_MARGIN, GRAD_ROW_TOL, allowed_pairs, row_errors  # noqa: E402
 from tests.rounded_reference import attention_grads  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main():
   worst, worst_ratio = None, 0.0
   over_model = {name: [] for name in names}  # per example: jaxcp's worst row error / the model's
   # per example: the most of its tolerance that a gradient row uses under tests/helpers.py's
-  # grads_close (>= 1 fails): row error / max(0.1, 3 x the model's row error)
+  # grads_close (>= 1 fails): row error / max(GRAD_ROW_TOL, GRAD_MODEL_MARGIN x the model's)
   tol_used = {name: [] for name in names[1:]}
   for n in range(a.examples):
     with warnings.catch_warnings():
@@ -63,7 +63,7 @@ def main():
       ratio = max(ratio, float(np.max(eg / np.maximum(em, 1e-3))))
       over_model[name].append(eg.max() / max(em.max(), 1e-6))
       if name in tol_used:
-        tol_used[name].append(float(np.max(eg / np.maximum(0.1, 3 * em))))
+        tol_used[name].append(float(np.max(eg / np.maximum(GRAD_ROW_TOL, GRAD_MODEL_MARGIN * em))))
       line.append(f"{name} jaxcp {eg.max():.3f} xla {ex.max():.3f} model {em.max():.3f}")
     print(f"{n:3d} {' | '.join(line)} | ratio {ratio:.2f}", flush=True)
     if ratio > worst_ratio:
