@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxcp
+from jaxcp._src.masks import positions_from_segments
 
 from .helpers import allowed_pairs, grads_close, random_segments, rel_err
 from .rounded_reference import attention_grads
@@ -17,10 +18,7 @@ def _case(dtype=jnp.float32):
   rng = np.random.default_rng(0)
   b, s, hq, hkv, d = 2, 96, 4, 2, 32
   seg = random_segments(rng, b, s, mean_doc=20)
-  pos = np.zeros_like(seg)
-  for r in range(b):
-    for i in range(1, s):
-      pos[r, i] = pos[r, i - 1] + 1 if seg[r, i] == seg[r, i - 1] else 0
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
   shapes = [(b, s, hq, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, hq, d)]
   q, k, v, do = (jnp.asarray(rng.standard_normal(x), dtype) for x in shapes)
   pairs = allowed_pairs(seg, pos, seg, pos, causal=True, window=(10, 0))
