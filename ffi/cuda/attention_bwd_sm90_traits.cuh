@@ -57,6 +57,11 @@ struct BwdSm90Common {
                                      Shape<Int<kBM>, Int<kD>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutKV{},
                                       Shape<Int<kBN>, Int<kD>>{}, _1{}));
+  // dK and dV leave from the K and V tiles' shared memory, in their layout.
+  using GTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeG{}, StrideG{}));
+  using TmaStoreKV = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorOut{}, SmemLayoutKV{},
+                                           Shape<Int<kBN>, Int<kD>>{}, _1{}));
+  static constexpr int kBarEpilogue = 6;  // named barrier: the consumers' epilogue
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelineDO = cutlass::PipelineTmaAsync<kStagesDO>;

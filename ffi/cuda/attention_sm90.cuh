@@ -154,5 +154,13 @@ auto tma_global_view(const void* ptr, int64_t len, int64_t heads, int64_t batch)
                                 static_cast<int32_t>(batch)),
                      make_stride(heads * D, _1{}, int64_t(D), heads * D * len));
 }
+// The same view of an output, for a TMA store.
+template <class Element, int D>
+auto tma_global_view(void* ptr, int64_t len, int64_t heads, int64_t batch) {
+  return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
+                     make_shape(static_cast<int32_t>(len), int32_t(D), static_cast<int32_t>(heads),
+                                static_cast<int32_t>(batch)),
+                     make_stride(heads * D, _1{}, int64_t(D), heads * D * len));
+}
 
 }  // namespace jaxcp::cuda::detail
