@@ -17,6 +17,7 @@
 // around the dQ GEMM, so that the tensor cores have work while dQ is stored. The accumulator
 // keeps each tile in the warpgroups' register-fragment order (contiguous, conflict-free
 // shared-memory writes); bwd_sm90_dq_convert_kernel maps it back to [B, Sq, Hq, D], scaled.
+// At the end dK and dV go through the K and V tiles' shared memory and leave by TMA stores.
 //
 // deterministic=True keeps all of this and fixes the order of the float32 adds
 // into each dQ tile: the key tiles that visit it add in decreasing order, each waiting for its
