@@ -115,6 +115,15 @@ __forceinline__ __device__ void store_fragment_pairs(TD&& dst, TS const& src) {
     *reinterpret_cast<uint32_t*>(&dst(2 * e)) = reinterpret_cast<const uint32_t*>(src.data())[e];
 }
 
+// The TMA partitions (global, shared) of block w's key tile of a [B, Skv, Hkv, D] tensor: K or V
+// to load, dK or dV to store.
+template <int BN, int D, class Tma, class SmemTensor>
+__forceinline__ __device__ auto key_tile_tma(const Tma& tma, const BwdParams& p, const BwdBlock& w, SmemTensor& s) {
+  Tensor m = tma.get_tma_tensor(make_shape(static_cast<int>(p.Skv), D, p.Hkv, static_cast<int>(p.B)));
+  Tensor g = local_tile(m(_, _, w.hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(w.n_block, _0{}));
+  return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+}
+
 template <class KT>
 struct BwdSm90Params {
   BwdParams p;
@@ -206,16 +215,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }
     // ---------------- producer: one thread issues every load ----------------
     if (threadIdx.x != 0) return;
-    const int Sq = static_cast<int>(p.Sq), Skv = static_cast<int>(p.Skv), B = static_cast<int>(p.B);
+    const int Sq = static_cast<int>(p.Sq), B = static_cast<int>(p.B);
     Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
     Tensor mdO = P.tma_do.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
-    Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, p.Hkv, B));
-    Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, D, p.Hkv, B));
     {
-      Tensor gK = local_tile(mK(_, _, w.hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(w.n_block, _0{}));
-      Tensor gV = local_tile(mV(_, _, w.hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(w.n_block, _0{}));
-      auto [tKg, tKs] = tma_partition(P.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      auto [tKg, tKs] = key_tile_tma<BN, D>(P.tma_k, p, w, sK);
+      auto [tVg, tVs] = key_tile_tma<BN, D>(P.tma_v, p, w, sV);
       TxBarrier::arrive_and_expect_tx(&ss.kv_full, KT::kKVBytes);
       copy(P.tma_k.with(ss.kv_full, 0), tKg, tKs);
       copy(P.tma_v.with(ss.kv_full, 0), tVg, tVs);
@@ -495,13 +500,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
     if (tidx == 0) {
-      const int Skv = static_cast<int>(p.Skv), B = static_cast<int>(p.B);
-      Tensor mdK = P.tma_dk.get_tma_tensor(make_shape(Skv, D, p.Hkv, B));
-      Tensor mdV = P.tma_dv.get_tma_tensor(make_shape(Skv, D, p.Hkv, B));
-      Tensor gdK = local_tile(mdK(_, _, w.hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(w.n_block, _0{}));
-      Tensor gdV = local_tile(mdV(_, _, w.hk, w.b), Shape<Int<BN>, Int<D>>{}, make_coord(w.n_block, _0{}));
-      auto [tdKg, tdKs] = tma_partition(P.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gdK));
-      auto [tdVg, tdVs] = tma_partition(P.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gdV));
+      auto [tdKg, tdKs] = key_tile_tma<BN, D>(P.tma_dk, p, w, sK);
+      auto [tdVg, tdVs] = key_tile_tma<BN, D>(P.tma_dv, p, w, sV);
       copy(P.tma_dk, tdKs, tdKg);  // rows past Skv are not written (the tensor's bounds)
       copy(P.tma_dv, tdVs, tdVg);
       tma_store_arrive();
