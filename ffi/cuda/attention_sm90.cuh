@@ -5,6 +5,8 @@
 #include "attention_device.cuh"
 #include "vector_store.cuh"
 
+#include <type_traits>
+
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -146,18 +148,12 @@ __forceinline__ __device__ typename Pipeline::Params tma_pipeline_params(uint32_
   return pp;
 }
 
-// (token, d, head, batch) view of a [batch, len, heads, D] tensor: the global side of a TMA copy.
-template <class Element, int D>
-auto tma_global_view(const void* ptr, int64_t len, int64_t heads, int64_t batch) {
-  return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                     make_shape(static_cast<int32_t>(len), int32_t(D), static_cast<int32_t>(heads),
-                                static_cast<int32_t>(batch)),
-                     make_stride(heads * D, _1{}, int64_t(D), heads * D * len));
-}
-// The same view of an output, for a TMA store.
-template <class Element, int D>
-auto tma_global_view(void* ptr, int64_t len, int64_t heads, int64_t batch) {
-  return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
+// (token, d, head, batch) view of a [batch, len, heads, D] tensor: the global side of a TMA copy
+// (Void = const void: an input to load; void: an output to store).
+template <class Element, int D, class Void>
+auto tma_global_view(Void* ptr, int64_t len, int64_t heads, int64_t batch) {
+  using E = std::conditional_t<std::is_const_v<Void>, Element const, Element>;
+  return make_tensor(make_gmem_ptr(static_cast<E*>(ptr)),
                      make_shape(static_cast<int32_t>(len), int32_t(D), static_cast<int32_t>(heads),
                                 static_cast<int32_t>(batch)),
                      make_stride(heads * D, _1{}, int64_t(D), heads * D * len));
