@@ -242,6 +242,11 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       Tensor gdO = local_tile(mdO(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
       auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, st)), group_modes<0, 2>(gQ));
       auto [tdOg, tdOs] = tma_partition(P.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO(_, _, st_do)), group_modes<0, 2>(gdO));
+      // The step after this one, found before the waits for the stages: its tile-summary loads
+      // overlap them, and dO is issued as soon as its stage is free (D 256 has one dO stage:
+      // 0.8% faster forward+backward at 2 x 8k doc1k, H200).
+      int h_next = h, i_next = i, c_next = c;
+      more = next_step(h_next, i_next, c_next);
       pipe_q.producer_acquire(write_q);
       uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
       copy(P.tma_q.with(*bar_q, 0), tQg, tQs);
@@ -250,8 +255,6 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
                                ss.q_ids.data() + st * BM, KT::kIdBytes);
       // The Q stage's step info: free (the consumers read it before releasing this stage's Q, which
       // producer_acquire waited for); published by the dO barrier's arrive (release semantics).
-      int h_next = h, i_next = i, c_next = c;
-      more = next_step(h_next, i_next, c_next);
       ss.step_info[st] = StepInfo{i, c, h, more};
       compiler_memory_fence();  // before producer_acquire's arrive on the dO barrier
       pipe_do.producer_acquire(write_do);
