@@ -37,6 +37,7 @@ def main():
   strategy = props.cross_batch() if a.test == "cross" else props.packed_batch(props.S)
   mask = props.MASKS[a.mask]
   names = ["out", "dq", "dk", "dv"]
+  dtype = jnp.dtype(a.dtype)
   worst, worst_used = None, -1.0
   over_model = {name: [] for name in names}  # per example: jaxcp's worst row error / the model's
   # per example: the most of its tolerance that a gradient row uses under tests/helpers.py's
@@ -47,7 +48,6 @@ def main():
       warnings.simplefilter("ignore")
       batch = strategy.example()
     q_seg, q_pos, kv_seg, kv_pos = batch if a.test == "cross" else (*batch, *batch)
-    dtype = jnp.dtype(a.dtype)
     inputs = props._inputs(a.head_dim, q_seg.shape[1], kv_seg.shape[1], dtype, a.kv_heads)
     args = (*inputs, q_seg, q_pos, kv_seg, kv_pos)
     got = props._runner("cuda", a.mask)(*args)

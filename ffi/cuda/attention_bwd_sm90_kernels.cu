@@ -581,7 +581,8 @@ template <class KT>
 cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
   using Element = typename KT::Element;
   constexpr int D = KT::kD;
-  auto g = [&](const void* ptr, int64_t len, int heads) { return tma_global_view<Element, D>(ptr, len, heads, p.B); };
+  // An input (const void*) to load or an output (void*) to store.
+  auto g = [&](auto* ptr, int64_t len, int heads) { return tma_global_view<Element, D>(ptr, len, heads, p.B); };
   BwdSm90Params<KT> P;
   P.p = p;
   auto q_smem = take<0, 2>(typename KT::SmemLayoutQ{});
@@ -592,10 +593,9 @@ cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
   P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, g(p.v, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
                           Shape<Int<KT::kBN>, Int<D>>{}, _1{});
   if (p.splits == 1) {
-    auto out = [&](void* ptr) { return tma_global_view<Element, D>(ptr, p.Skv, p.Hkv, p.B); };
-    P.tma_dk = make_tma_copy(SM90_TMA_STORE{}, out(p.dk), typename KT::SmemLayoutKV{},
+    P.tma_dk = make_tma_copy(SM90_TMA_STORE{}, g(p.dk, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
                              Shape<Int<KT::kBN>, Int<D>>{}, _1{});
-    P.tma_dv = make_tma_copy(SM90_TMA_STORE{}, out(p.dv), typename KT::SmemLayoutKV{},
+    P.tma_dv = make_tma_copy(SM90_TMA_STORE{}, g(p.dv, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
                              Shape<Int<KT::kBN>, Int<D>>{}, _1{});
   }
   auto kernel = attention_bwd_sm90_kernel<KT>;
