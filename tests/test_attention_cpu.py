@@ -1,4 +1,6 @@
 """CPU kernel parity with the float64 NumPy oracle and the pure-JAX reference, every mask form."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,3 +176,34 @@ def test_default_implementation_on_cpu_is_the_kernel():
   q, k, v = qkv(rng, 1, 8, 8, 1, 1, 4, jnp.float32)
   hlo = jax.jit(lambda q, k, v: jaxcp.attention(q, k, v)).lower(q, k, v).as_text()
   assert "jaxcp_attention_fwd" in hlo
+
+
+@pytest.mark.parametrize("head_dim", [5, 40])
+def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, monkeypatch):
+  """The CUDA path runs a head dim between its tile widths zero-padded to the next width. The
+  same padding through the CPU kernel must leave the output, the LSE (scale from the true head
+  dim) and the gradients unchanged, and return the true head dim."""
+  attention_module = importlib.import_module("jaxcp._src.attention")
+  rng = np.random.default_rng(12)
+  q, k, v = qkv(rng, 2, 24, 24, 4, 2, head_dim, jnp.float32)
+  seg = random_segments(rng, 2, 24, mean_doc=6)
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+  def run(q, k, v):
+    def f(q, k, v):
+      out, lse = jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, implementation="cpu",
+                                 return_residual=True)
+      return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), (out, lse)
+    return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+  want_grads, (want_out, want_lse) = run(q, k, v)
+  monkeypatch.setattr(attention_module, "_kernel_head_dim", lambda impl, d: 64)
+  hlo = jax.jit(run).lower(q, k, v).as_text()
+  assert "tensor<2x24x4x64xf32>" in hlo  # the kernel really ran padded
+  got_grads, (got_out, got_lse) = run(q, k, v)
+  assert got_out.shape == want_out.shape
+  np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
+  for g, r in zip(got_grads, want_grads):
+    assert g.shape == r.shape
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)

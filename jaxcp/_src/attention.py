@@ -14,7 +14,10 @@ from .primitive_utils import choose_implementation
 from .reference import attention_reference
 from .small_seq import small_seq_eligible, small_seq_from_attention
 
+# The CUDA kernels' tile widths. Any head dim up to 256 runs on them: a smaller one is zero-padded
+# to the next width (zero columns change neither q.k nor p.v, and their gradients are sliced off).
 _CUDA_HEAD_DIMS = (64, 128, 256)
+_CUDA_ANY_HEAD_DIM = range(1, _CUDA_HEAD_DIMS[-1] + 1)
 _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -66,6 +69,18 @@ def _kernel_attention_bwd(config, residuals, cotangents):
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+def _kernel_head_dim(impl, d):
+  """The head dim the kernel runs at: the next CUDA tile width, or d itself on the CPU."""
+  if impl != "cuda":
+    return d
+  return next(w for w in _CUDA_HEAD_DIMS if w >= d)
+
+
+def _pad_head_dim(x, width):
+  d = x.shape[-1]
+  return x if d == width else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - d),))
 
 
 # ---------------------------------------------------------------- validation
@@ -136,7 +151,7 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   q_seg, q_pos, kv_seg, kv_pos = masks.token_arrays(
       b, sq, skv, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
       kv_positions=kv_positions, cu_seqlens=cu_seqlens)
-  impl = choose_implementation(implementation, query.dtype, d, _CUDA_HEAD_DIMS)
+  impl = choose_implementation(implementation, query.dtype, d, _CUDA_ANY_HEAD_DIM)
   # One query against at most 16 keys: the memory-bound small-sequence kernel (same results).
   if impl != "xla" and small_seq_eligible(query, key, implementation=impl, return_residual=return_residual,
                                           context_parallel_axis=context_parallel_axis):
@@ -150,5 +165,8 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   else:
     registry.ensure_registered()
     config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis)
+    width = _kernel_head_dim(impl, d)
+    query, key, value = (_pad_head_dim(x, width) for x in (query, key, value))
     out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config)
+    out = out[..., :d]
   return (out, lse) if return_residual else out

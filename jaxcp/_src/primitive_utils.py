@@ -64,6 +64,12 @@ def check_int_array(name, x, shape):
   return x.astype(jnp.int32)
 
 
+def _head_dims_text(head_dims) -> str:
+  if isinstance(head_dims, range):
+    return f"{head_dims.start}..{head_dims.stop - 1}"
+  return str(tuple(head_dims))
+
+
 def choose_implementation(implementation, dtype, head_dim, cuda_head_dims) -> str:
   """"xla", "cpu" or "cuda" for a call; None picks the kernel of the default backend when it
   supports the dtype and head dim, else "xla". An explicit kernel that cannot run raises."""
@@ -83,6 +89,6 @@ def choose_implementation(implementation, dtype, head_dim, cuda_head_dims) -> st
         f"backend (available kernel: {platform!r}); use implementation=None or 'xla'.")
   if implementation == "cuda" and not cuda_ok:
     raise ValueError(
-        f"implementation='cuda' supports bfloat16/float16 and head_dim in {cuda_head_dims}, "
+        f"implementation='cuda' supports bfloat16/float16 and head_dim in {_head_dims_text(cuda_head_dims)}, "
         f"got {dtype} and head_dim={head_dim}; use implementation=None to fall back to 'xla'.")
   return implementation
