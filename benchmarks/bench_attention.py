@@ -33,6 +33,7 @@ class Case:
   q_heads: int = 16
   kv_heads: int = 16
   head_dim: int = 128
+  v_head_dim: int | None = None  # value's head dim when it differs (multi-head latent attention)
   window: int | None = None   # keys within [q - window + 1, q]
   chunk: int | None = None
   xla: bool = False
@@ -63,6 +64,8 @@ EXTRA_CASES = [
     Case("2x8k doc1k D192", 2, 8192, 1024, head_dim=192),
     Case("4x16k doc4k D96", 4, 16384, 4096, head_dim=96),
     Case("1x64k doc1k D96", 1, 65536, 1024, head_dim=96),
+    Case("2x8k doc1k qk192/v128", 2, 8192, 1024, head_dim=192, v_head_dim=128),
+    Case("4x16k doc4k qk192/v128", 4, 16384, 4096, head_dim=192, v_head_dim=128),
 ]
 
 QUICK_CASES = [
@@ -154,14 +157,16 @@ def run_case(case: Case, dtype, quick: bool):
   seg, pos = common.segments_and_positions(rows, case.seq_len)
   window = (case.window - 1, 0) if case.window else None
   pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
-  fwd_flops = 4 * case.head_dim * case.q_heads * pairs
+  dv = case.v_head_dim or case.head_dim
+  fwd_flops = 2 * (case.head_dim + dv) * case.q_heads * pairs  # q.k and p.v
   key = jax.random.PRNGKey(1)
   shape_q = (case.batch, case.seq_len, case.q_heads, case.head_dim)
   shape_kv = (case.batch, case.seq_len, case.kv_heads, case.head_dim)
+  shape_v, shape_o = shape_kv[:3] + (dv,), shape_q[:3] + (dv,)
   q = jax.random.normal(key, shape_q, dtype)
   k = jax.random.normal(jax.random.fold_in(key, 1), shape_kv, dtype)
-  v = jax.random.normal(jax.random.fold_in(key, 2), shape_kv, dtype)
-  dout = jax.random.normal(jax.random.fold_in(key, 3), shape_q, dtype)
+  v = jax.random.normal(jax.random.fold_in(key, 2), shape_v, dtype)
+  dout = jax.random.normal(jax.random.fold_in(key, 3), shape_o, dtype)
 
   impls = {"jaxcp": _jaxcp(case, seg, pos)}
   if not quick:
@@ -262,7 +267,7 @@ def main(argv=None):
                 + [_ratio(r.get("jaxcp"), cud, "fwd_tflops"), _ratio(r.get("jaxcp"), cud, "fwd_bwd_tflops"),
                    _peer_errors(r)])
   md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}. TFLOP/s over allowed pairs "
-        f"(fwd 4*D*Hq*pairs, fwd+bwd 3.5x).")
+        f"(fwd 2*(D+Dv)*Hq*pairs, = 4*D*Hq*pairs when Dv = D; fwd+bwd 3.5x).")
   if "matmul_bf16_tflops" in meta:
     md += f" Same run: bf16 8k matmul {meta['matmul_bf16_tflops']:.0f} TFLOP/s, copy {meta['copy_gbps']:.0f} GB/s."
   md = md + "\n\n" + common.markdown_table(header, rows)

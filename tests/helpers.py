@@ -58,7 +58,7 @@ def numpy_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, causal=False, wind
   hkv = k.shape[2]
   scale = d ** -0.5 if scale is None else scale
   pairs = allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, causal=causal, window=window, chunk=chunk)
-  out = np.zeros((b, sq, hq, d))
+  out = np.zeros((b, sq, hq, v.shape[3]))
   lse = np.full((b, hq, sq), -np.inf)
   for bi in range(b):
     for i in range(sq):

@@ -207,3 +207,31 @@ def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, monkeypatch):
   for g, r in zip(got_grads, want_grads):
     assert g.shape == r.shape
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dims", [(8, 12), (12, 4)], ids=["value_wider", "value_narrower"])
+def test_value_head_dim_of_its_own(dims):
+  """Multi-head latent attention's shapes: value's head dim differs from query/key's (the kernels
+  run both padded to the wider). Output [B, Sq, Hq, Dv] and LSE against the float64 oracle; the
+  gradients (each the shape of its input) against the reference."""
+  d, dv = dims
+  rng = np.random.default_rng(13)
+  q, k, _ = qkv(rng, 2, 24, 24, 4, 2, d, jnp.float32)
+  v = jnp.asarray(rng.standard_normal((2, 24, 2, dv)), jnp.float32)
+  seg = random_segments(rng, 2, 24, mean_doc=6)
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
+  out, lse = jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, implementation="cpu", return_residual=True)
+  ref_out, ref_lse = numpy_attention(q, k, v, seg, pos, seg, pos, causal=True)
+  assert out.shape == (2, 24, 4, dv)
+  assert rel_err(out, ref_out) < 1e-5
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+  w = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+  loss = lambda impl: lambda q, k, v: jnp.sum(jaxcp.attention(
+      q, k, v, segment_ids=seg, is_causal=True, implementation=impl) * w)
+  got = jax.grad(loss("cpu"), argnums=(0, 1, 2))(q, k, v)
+  want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+  for g, r, x in zip(got, want, (q, k, v)):
+    assert g.shape == x.shape
+    assert rel_err(g, r) < 1e-5

@@ -15,6 +15,7 @@ BAD = [
     (dict(key=jnp.zeros((B, S, 3, D))), "multiple"),
     (dict(key=jnp.zeros((B, S, 2, D + 1)), value=jnp.zeros((B, S, 2, D + 1))), "head_dim"),
     (dict(value=jnp.zeros((B, S + 1, 2, D))), "same shape"),
+    (dict(value=jnp.zeros((B, S, 1, D))), "same shape"),
     (dict(key=jnp.zeros((B + 1, S, 2, D)), value=jnp.zeros((B + 1, S, 2, D))), "batch"),
     (dict(query=jnp.zeros((B, S, H, D), jnp.int32)), "query"),
     (dict(query=jnp.zeros((B, S, H, D), jnp.bfloat16)), "dtype"),

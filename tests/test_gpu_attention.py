@@ -229,6 +229,18 @@ def test_head_dims_between_tile_widths(head_dim):
   assert "jaxcp_attention_fwd" in hlo
 
 
+@pytest.mark.parametrize("dims", [(192, 128), (64, 128)], ids=["qk192_v128", "qk64_v128"])
+def test_value_head_dim_of_its_own(dims):
+  """Multi-head latent attention's shapes (DeepSeek: q/k 192, v 128): both run padded to the
+  wider tile width; output [B, S, Hq, Dv] and the gradients against the reference."""
+  d, dv = dims
+  rng = np.random.default_rng(15)
+  seg = random_segments(rng, 2, 700, mean_doc=150)
+  q, k, _, _ = _qkv(15, 2, 700, 700, 4, 2, d, jnp.bfloat16)
+  _, _, v, do = _qkv(16, 2, 700, 700, 4, 2, dv, jnp.bfloat16)
+  _compare(q, k, v, do, jnp.bfloat16, segment_ids=seg, is_causal=True)
+
+
 def test_padded_head_dim_long_row_fits():
   """1 x 64k at head dim 96, forward and backward: before padding this fell back to the S^2
   reference (8 heads x 64k^2 float32 scores, 137 GB)."""

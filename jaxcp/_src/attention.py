@@ -95,8 +95,9 @@ def _check_qkv(query, key, value):
   if not (query.dtype == key.dtype == value.dtype):
     raise ValueError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}.")
   b, _, hq, d = query.shape
-  if key.shape != value.shape:
-    raise ValueError(f"key and value must have the same shape, got {key.shape} and {value.shape}.")
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(f"key and value must have the same shape [B, Skv, Hkv] (their head dims may differ), "
+                     f"got {key.shape} and {value.shape}.")
   if key.shape[0] != b:
     raise ValueError(f"key batch {key.shape[0]} != query batch {b}.")
   if key.shape[3] != d:
@@ -120,7 +121,8 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   (and LSE -inf) with zero gradients.
 
   Args:
-    query: [B, Sq, Hq, D]. key, value: [B, Skv, Hkv, D] with Hq % Hkv == 0.
+    query: [B, Sq, Hq, D]. key: [B, Skv, Hkv, D] with Hq % Hkv == 0. value: [B, Skv, Hkv, Dv]; Dv
+      may differ from D (multi-head latent attention), else Dv = D.
     segment_ids, kv_segment_ids: int32 [B, Sq] / [B, Skv]; 0 marks padding.
     positions, kv_positions: int32 positions inside each document (restart at 0 per document).
     cu_seqlens: int32 [B, MAX_DOCS+1], an alternative to segment_ids for self attention.
@@ -132,10 +134,11 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
     return_residual: also return the LSE, float32 [B, Hq, Sq].
 
   Returns:
-    out [B, Sq, Hq, D] in query's dtype, or (out, lse) with return_residual=True.
+    out [B, Sq, Hq, Dv] in query's dtype, or (out, lse) with return_residual=True.
   """
   _check_qkv(query, key, value)
   b, sq, hq, d = query.shape
+  dv = value.shape[3]
   skv = key.shape[1]
   spec = masks.make_mask_spec(is_causal, local_window_size, chunk_size)
   if scale is None:
@@ -151,9 +154,9 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   q_seg, q_pos, kv_seg, kv_pos = masks.token_arrays(
       b, sq, skv, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
       kv_positions=kv_positions, cu_seqlens=cu_seqlens)
-  impl = choose_implementation(implementation, query.dtype, d, _CUDA_ANY_HEAD_DIM)
+  impl = choose_implementation(implementation, query.dtype, max(d, dv), _CUDA_ANY_HEAD_DIM)
   # One query against at most 16 keys: the memory-bound small-sequence kernel (same results).
-  if impl != "xla" and small_seq_eligible(query, key, implementation=impl, return_residual=return_residual,
+  if impl != "xla" and dv == d and small_seq_eligible(query, key, implementation=impl, return_residual=return_residual,
                                           context_parallel_axis=context_parallel_axis):
     return small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, float(scale), impl)
 
@@ -165,8 +168,9 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   else:
     registry.ensure_registered()
     config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis)
-    width = _kernel_head_dim(impl, d)
+    # The kernels take one head dim: a value head dim of its own (MLA) is padded to it as well.
+    width = _kernel_head_dim(impl, max(d, dv))
     query, key, value = (_pad_head_dim(x, width) for x in (query, key, value))
     out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config)
-    out = out[..., :d]
+    out = out[..., :dv]
   return (out, lse) if return_residual else out

@@ -33,7 +33,7 @@ def allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, spec: MaskSpec):
 
 def attention_reference(q, k, v, q_seg, q_pos, kv_seg, kv_pos, spec: MaskSpec, scale: float,
                         compute_dtype=jnp.float32):
-  """Returns (out [B,Sq,Hq,D] in q.dtype, lse float32 [B,Hq,Sq]).
+  """Returns (out [B,Sq,Hq,Dv] in q.dtype, lse float32 [B,Hq,Sq]); Dv is v's head dim.
 
   Rows with no allowed key give out 0 and lse -inf, and their gradients are zero (no NaN).
   """
@@ -51,6 +51,6 @@ def attention_reference(q, k, v, q_seg, q_pos, kv_seg, kv_pos, spec: MaskSpec, s
   l = jnp.sum(p, axis=-1, keepdims=True)
   has_key = l > 0
   l_safe = jnp.where(has_key, l, 1.0)
-  out = jnp.einsum("bhgqk,bkhd->bqhgd", p / l_safe, vc).reshape(B, Sq, Hq, D)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", p / l_safe, vc).reshape(B, Sq, Hq, v.shape[3])
   lse = jnp.where(has_key, m + jnp.log(l_safe), -jnp.inf)[..., 0].reshape(B, Hq, Sq)
   return out.astype(q.dtype), lse.astype(jnp.float32)

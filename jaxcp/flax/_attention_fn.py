@@ -139,9 +139,9 @@ def make_attention_fn(*, segment_ids=None, positions=None, kv_segment_ids=None, 
     for name, x in (("query", query), ("key", key), ("value", value)):
       if x.ndim < 3:
         raise ValueError(f"{name} must have shape [batch..., length, heads, head_dim], got {x.shape}.")
-    if query.ndim != key.ndim or key.shape != value.shape:
-      raise ValueError(f"query, key and value must have matching ranks and key/value equal shapes, got "
-                       f"{query.shape}, {key.shape}, {value.shape}.")
+    if query.ndim != key.ndim or key.shape[:-1] != value.shape[:-1]:
+      raise ValueError(f"query, key and value must have matching ranks and key/value equal shapes but for "
+                       f"the head dim, got {query.shape}, {key.shape}, {value.shape}.")
     if query.shape[:-3] != key.shape[:-3]:
       raise ValueError(f"query and key batch dims differ: {query.shape[:-3]} vs {key.shape[:-3]}.")
 
