@@ -9,7 +9,7 @@ import pytest
 import jaxcp
 from jaxcp._src.masks import positions_from_segments
 
-from .helpers import numpy_attention, qkv, random_segments, rel_err
+from .helpers import allowed_pairs, numpy_attention, qkv, random_segments, rel_err
 
 MASKS = [
     dict(),
@@ -234,4 +234,48 @@ def test_value_head_dim_of_its_own(dims):
   want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
   for g, r, x in zip(got, want, (q, k, v)):
     assert g.shape == x.shape
+    assert rel_err(g, r) < 1e-5
+
+
+def _attention_with_sinks(q, k, v, sinks, allowed, scale):
+  """Explicit attention sinks (gpt-oss): one more logit per head in every row's softmax, with no
+  value. Dense, float32, for small shapes."""
+  b, sq, hq, d = q.shape
+  g = hq // k.shape[2]
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, g, axis=2)) * scale
+  s = jnp.where(jnp.asarray(allowed)[:, None], s, -jnp.inf)
+  sink = jnp.broadcast_to(sinks[None, :, None, None], (b, hq, sq, 1))
+  p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+  return jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v, g, axis=2))
+
+
+def test_attention_sinks_from_the_lse():
+  """The README's recipe for attention sinks: out * sigmoid(lse - sink) is softmax attention with
+  one more logit per head, values and gradients (q, k, v and the sinks), empty rows included."""
+  rng = np.random.default_rng(14)
+  q, k, v = qkv(rng, 2, 24, 24, 4, 2, 8, jnp.float32)
+  sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+  seg = random_segments(rng, 2, 24, mean_doc=6)
+  seg[1, -3:] = 0  # padding rows: no key, output 0
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
+  allowed = allowed_pairs(seg, pos, seg, pos, causal=True, window=(4, 0))
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+  def with_sinks(q, k, v, sinks):
+    out, lse = jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, local_window_size=(4, 0),
+                               implementation="cpu", return_residual=True)
+    gate = jax.nn.sigmoid(lse - sinks[None, :, None])  # [B, Hq, Sq]
+    return out * jnp.swapaxes(gate, 1, 2)[..., None]
+
+  def explicit(q, k, v, sinks):
+    return _attention_with_sinks(q, k, v, sinks, allowed, 8 ** -0.5)
+
+  got, want = with_sinks(q, k, v, sinks), explicit(q, k, v, sinks)
+  assert rel_err(got, want) < 1e-5
+  assert not np.asarray(got[1, -3:]).any()
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * w)
+  got_g = jax.grad(loss(with_sinks), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  want_g = jax.grad(loss(explicit), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  for g, r in zip(got_g, want_g):
+    assert np.isfinite(np.asarray(g)).all()
     assert rel_err(g, r) < 1e-5
