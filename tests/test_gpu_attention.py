@@ -31,7 +31,7 @@ def _qkv(seed, b, sq, skv, hq, hkv, d, dtype):
   return q, k, v, do
 
 
-def _compare(q, k, v, do, dtype, backward=True, **kw):
+def _compare(q, k, v, do, dtype, backward=True, lse_cotangent=False, **kw):
   # Segment ids and positions go in as jit arguments: as closure constants XLA would fold the
   # reference's whole mask at compile time (about a minute at S = 1900).
   arrays = {n: jnp.asarray(x) for n, x in kw.items() if isinstance(x, (np.ndarray, jax.Array))}
@@ -42,7 +42,9 @@ def _compare(q, k, v, do, dtype, backward=True, **kw):
     if not backward:
       return *f(q, k, v), ()
     (out, lse), vjp = jax.vjp(f, q, k, v)
-    return out, lse, vjp((do, jnp.zeros_like(lse)))
+    # A cotangent for the LSE too (attention sinks, context-parallel merges), empty rows included.
+    dlse = jax.random.normal(jax.random.PRNGKey(9), lse.shape) if lse_cotangent else jnp.zeros_like(lse)
+    return out, lse, vjp((do, dlse))
 
   out, lse, grads = jax.jit(lambda *a: run("cuda", *a))(q, k, v, arrays)
   ref_out, ref_lse, ref_grads = jax.jit(lambda *a: run("xla", *a))(q, k, v, arrays)
@@ -253,6 +255,17 @@ def test_padded_head_dim_long_row_fits():
   for g, x in zip(f(q, k, v), (q, k, v)):
     assert g.shape == x.shape
     assert np.isfinite(np.asarray(jnp.abs(g.astype(jnp.float32)).max()))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_lse_cotangent(head_dim, deterministic):
+  """Gradients through the returned LSE (what attention sinks and ring merges use): the backward's
+  delta becomes rowsum(dO * O) - dLSE. Padding rows (LSE -inf) must still give zeros."""
+  rng = np.random.default_rng(16)
+  seg = random_segments(rng, 2, 700, mean_doc=150)
+  _compare(*_qkv(16, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, lse_cotangent=True,
+           segment_ids=seg, is_causal=True, deterministic=deterministic)
 
 
 def test_default_implementation_picks_cuda():

@@ -53,6 +53,31 @@ def test_remat_gives_same_gradients():
     assert rel_err(a, b) < 1e-6
 
 
+def test_remat_policy_can_save_the_attention_output():
+  """Under jax.checkpoint in a scan over layers, the policy that saves the named residuals
+  ("jaxcp_attention_out", "jaxcp_attention_lse") keeps the backward from rerunning the forward
+  kernel; nothing_saveable reruns it. Same gradients either way."""
+  q, k, v, seg = _inputs()
+  wk, wv = jnp.asarray(0.5 * k), jnp.asarray(0.5 * v)
+
+  def layer(x, _):
+    y = jnp.sin(x)
+    out = jaxcp.attention(y, wk + y[:, :, :2], wv, segment_ids=seg, is_causal=True, implementation="cpu")
+    return jnp.cos(out) + x, None
+
+  def grads_and_forward_calls(policy):
+    loss = lambda x: jnp.sum(jax.lax.scan(jax.checkpoint(layer, policy=policy), x, None, length=3)[0])
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(q))
+    return jax.jit(jax.grad(loss))(q), jaxpr.count("jaxcp_attention_fwd[")
+
+  policies = jax.checkpoint_policies
+  saved, saved_calls = grads_and_forward_calls(
+      policies.save_only_these_names("jaxcp_attention_out", "jaxcp_attention_lse"))
+  recomputed, recomputed_calls = grads_and_forward_calls(policies.nothing_saveable)
+  assert (saved_calls, recomputed_calls) == (1, 2)
+  assert rel_err(saved, recomputed) < 1e-6
+
+
 def test_second_layer_composition_under_jit():
   """Two stacked attention calls inside one jitted loss (a tiny two-layer model)."""
   q, k, v, seg = _inputs()

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from . import context_parallel as cp_lib
 from . import masks, registry
@@ -57,6 +58,9 @@ def _kernel_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
 
 def _kernel_attention_fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
   out, lse = _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
+  # Named residuals: a remat policy that saves these two skips rerunning the forward kernel.
+  out = checkpoint_name(out, "jaxcp_attention_out")
+  lse = checkpoint_name(lse, "jaxcp_attention_lse")
   return (out, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse)
 
 
