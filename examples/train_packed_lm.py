@@ -255,7 +255,8 @@ def parse_args(argv=None):
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--kv-heads", type=int, default=2)
-  p.add_argument("--head-dim", type=int, default=64, help="up to 256 for the CUDA kernels (64/128/256 natively, others zero-padded)")
+  p.add_argument("--head-dim", type=int, default=64,
+                 help="up to 256 for the CUDA kernels (64/128/256 natively, others zero-padded)")
   p.add_argument("--mlp-hidden", type=int, default=256)
   p.add_argument("--window", type=int, default=None, help="sliding window (left) size; default: none")
   p.add_argument("--lr", type=float, default=3e-3)

@@ -160,8 +160,8 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
       kv_positions=kv_positions, cu_seqlens=cu_seqlens)
   impl = choose_implementation(implementation, query.dtype, max(d, dv), _CUDA_ANY_HEAD_DIM)
   # One query against at most 16 keys: the memory-bound small-sequence kernel (same results).
-  if impl != "xla" and dv == d and small_seq_eligible(query, key, implementation=impl, return_residual=return_residual,
-                                          context_parallel_axis=context_parallel_axis):
+  if impl != "xla" and dv == d and small_seq_eligible(
+      query, key, implementation=impl, return_residual=return_residual, context_parallel_axis=context_parallel_axis):
     return small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, float(scale), impl)
 
   if impl == "xla":
