@@ -176,5 +176,6 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
     width = _kernel_head_dim(impl, max(d, dv))
     query, key, value = (_pad_head_dim(x, width) for x in (query, key, value))
     out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config)
-    out = out[..., :dv]
+    if width != dv:
+      out = out[..., :dv]
   return (out, lse) if return_residual else out
