@@ -178,11 +178,13 @@ def test_default_implementation_on_cpu_is_the_kernel():
   assert "jaxcp_attention_fwd" in hlo
 
 
-@pytest.mark.parametrize("head_dim", [5, 40])
-def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, monkeypatch):
-  """The CUDA path runs a head dim between its tile widths zero-padded to the next width. The
-  same padding through the CPU kernel must leave the output, the LSE (scale from the true head
-  dim) and the gradients unchanged, and return the true head dim."""
+@pytest.mark.parametrize("head_dim,widths", [(5, (64, 64)), (40, (64, 64)), (40, (48, 64)), (48, (48, 64))])
+def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, widths, monkeypatch):
+  """The CUDA path runs a head dim between its tile widths zero-padded to the next width, and
+  the forward may have a width the backward has not (sm_90a forward: 96, 192): (48, 64) pads
+  only the backward's operands, to another width than the forward's. The same padding through
+  the CPU kernel must leave the output, the LSE (scale from the true head dim) and the gradients
+  unchanged, and return the true head dim."""
   attention_module = importlib.import_module("jaxcp._src.attention")
   rng = np.random.default_rng(12)
   q, k, v = qkv(rng, 2, 24, 24, 4, 2, head_dim, jnp.float32)
@@ -197,9 +199,10 @@ def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, monkeypatch):
     return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
   want_grads, (want_out, want_lse) = run(q, k, v)
-  monkeypatch.setattr(attention_module, "_kernel_head_dim", lambda impl, d: 64)
+  monkeypatch.setattr(attention_module, "_kernel_head_dims", lambda impl, d, spec, scale: widths)
   hlo = jax.jit(run).lower(q, k, v).as_text()
-  assert "tensor<2x24x4x64xf32>" in hlo  # the kernel really ran padded
+  for width in widths:  # the kernels really ran padded
+    assert f"tensor<2x24x4x{width}xf32>" in hlo
   got_grads, (got_out, got_lse) = run(q, k, v)
   assert got_out.shape == want_out.shape
   np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=1e-6, atol=1e-6)

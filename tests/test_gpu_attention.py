@@ -236,6 +236,54 @@ def test_head_dims_between_tile_widths(head_dim):
   assert "jaxcp_attention_fwd" in hlo
 
 
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("head_dim", [96, 192])
+def test_native_head_dims(mask, head_dim, monkeypatch):
+  """The sm_90a forward's 96- and 192-wide tiles (the backward runs padded to 128 / 256) under
+  every mask: JAXCP_FORCE_SM90 puts the short windows on it too. Off Hopper this runs padded."""
+  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
+  rng = np.random.default_rng(17)
+  seg = random_segments(rng, 2, 700, mean_doc=150)
+  _compare(*_qkv(17, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa4", "mqa"])
+def test_native_head_dim_dtypes_gqa_cross(dtype, heads):
+  """D 96 on the sm_90a forward: float16, GQA / MQA, cross attention (Sq != Skv), documents of
+  length 1 and a row of padding only."""
+  hq, hkv = heads
+  seg_q = np.ones((2, 300), np.int32)
+  seg_q[0, 100:] = 2
+  seg_q[0, 299] = 4  # a query of its own document, which no key shares: zeros, -inf LSE
+  seg_q[1, :] = 0  # padding only: zeros out, -inf LSE, zero gradients
+  seg_k = np.ones((2, 530), np.int32)
+  seg_k[0, 250:] = 2
+  seg_k[0, 249] = 3  # a document of one key, which no query shares
+  _compare(*_qkv(18, 2, 300, 530, hq, hkv, 96, dtype), dtype, segment_ids=seg_q, kv_segment_ids=seg_k)
+
+
+def _forward_operand_widths(head_dim, **kw):
+  """Head dims of the bfloat16 operands in the lowered forward of a D head_dim call."""
+  q, k, v, _ = _qkv(19, 1, 256, 256, 2, 2, head_dim, jnp.bfloat16)
+  hlo = jax.jit(lambda q, k, v: jaxcp.attention(q, k, v, **kw)).lower(q, k, v).as_text()
+  return {w for w in (96, 128, 192, 256) if f"x{w}xbf16>" in hlo}
+
+
+@pytest.mark.skipif(not jax.devices()[0].platform == "gpu" or getattr(jax.devices()[0], "compute_capability", "") != "9.0",
+                    reason="the 96- and 192-wide forward tiles are sm_90a's")
+@pytest.mark.parametrize("head_dim,padded", [(96, 128), (192, 256)])
+def test_native_head_dims_run_unpadded_on_hopper(head_dim, padded, monkeypatch):
+  """On Hopper the forward runs D 96 / 192 as they are (no pad, no slice); a short window, which
+  the sm_80 forward takes, and JAXCP_DISABLE_SM90 pad to the next tile width; a head dim between
+  (80, 160) pads to the native one."""
+  assert _forward_operand_widths(head_dim, is_causal=True) == {head_dim}
+  assert _forward_operand_widths(head_dim - 16, is_causal=True) == {head_dim}
+  assert _forward_operand_widths(head_dim, local_window_size=(64, 0)) == {head_dim, padded}
+  monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
+  assert _forward_operand_widths(head_dim, is_causal=True) == {head_dim, padded}
+
+
 @pytest.mark.parametrize("dims", [(192, 128), (64, 128)], ids=["qk192_v128", "qk64_v128"])
 def test_value_head_dim_of_its_own(dims):
   """Multi-head latent attention's shapes (DeepSeek: q/k 192, v 128): both run padded to the

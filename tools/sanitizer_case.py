@@ -14,7 +14,7 @@ seg[1, 200:] = 0
 # 4 query heads on 2 kv heads: the sm_90a backward splits the groups (float32 partial dK / dV);
 # 2 on 2: one block per key tile and head, dK / dV by TMA stores (the last key tile ragged).
 for q_heads in (4, 2):
-  for d in (64, 128, 256):
+  for d in (64, 96, 128, 192, 256):  # 96, 192: the sm_90a forward's own tiles (backward padded)
     for deterministic in (False, True):
       key = jax.random.PRNGKey(d)
       q = jax.random.normal(key, (2, 250, q_heads, d), jnp.bfloat16)

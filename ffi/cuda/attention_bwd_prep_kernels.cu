@@ -303,7 +303,7 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
                           const int32_t* kv_pos, void* dq, void* dk, void* dv, void* workspace,
                           size_t workspace_bytes, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
-  if (!attention_head_dim_supported(s.head_dim)) return cudaErrorInvalidValue;
+  if (!attention_bwd_head_dim_supported(s.head_dim)) return cudaErrorInvalidValue;
   if (s.batch < 0 || s.q_len < 0 || s.kv_len < 0 || s.q_heads < 0 || s.kv_heads <= 0 ||
       s.q_heads % s.kv_heads != 0)
     return cudaErrorInvalidValue;

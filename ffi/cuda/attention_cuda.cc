@@ -56,12 +56,15 @@ bool dims_are(const Buf& b, std::initializer_list<int64_t> dims) {
   return true;
 }
 
-ffi::Error check_common(const AttentionShape& s, const AnyBuffer& v,
+// head_dim_ok: whether this direction's kernels run the head dim for these arguments
+// (attention_*_head_dim_supported; jaxcp.attention pads any other to one that they do).
+ffi::Error check_common(const AttentionShape& s, bool head_dim_ok, const AnyBuffer& v,
                         const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& q_pos,
                         const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& kv_pos) {
-  if (!attention_head_dim_supported(s.head_dim))
+  if (!head_dim_ok)
     return invalid("head_dim " + std::to_string(s.head_dim) +
-                   " is not supported by the CUDA kernels (64, 128 or 256)");
+                   " is not supported by the CUDA kernels here (64, 128 or 256; forward on sm_90 also "
+                   "96 and 192): pad it, as jaxcp.attention does");
   if (!dims_are(v, {s.batch, s.kv_len, s.kv_heads, s.head_dim}))
     return invalid("v must have the shape of k");
   if (!dims_are(q_seg, {s.batch, s.q_len}) || !dims_are(q_pos, {s.batch, s.q_len}))
@@ -98,13 +101,15 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
   DType dtype;
   if (auto e = same_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&(*out), "out"}}, &dtype); e.failure())
     return e;
-  if (auto e = check_common(shape, v, q_seg, q_pos, kv_seg, kv_pos); e.failure()) return e;
+  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
+                                         scale, /*deterministic=*/true);
+  if (auto e = check_common(shape, attention_fwd_head_dim_supported(a), v, q_seg, q_pos, kv_seg, kv_pos);
+      e.failure())
+    return e;
   if (!dims_are(*out, {shape.batch, shape.q_len, shape.q_heads, shape.head_dim}))
     return invalid("out must have the shape of q");
   if (!dims_are(*lse, {shape.batch, shape.q_heads, shape.q_len}))
     return invalid("lse must have shape [B, Hq, Sq]");
-  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
-                                         scale, /*deterministic=*/true);
   const size_t ws_bytes = attention_fwd_workspace_bytes(a);
   void* ws = nullptr;
   if (auto e = workspace_of(workspace, ws_bytes, &ws); e.failure()) return e;
@@ -133,7 +138,10 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
                           &dtype);
       e.failure())
     return e;
-  if (auto e = check_common(shape, v, q_seg, q_pos, kv_seg, kv_pos); e.failure()) return e;
+  if (auto e = check_common(shape, attention_bwd_head_dim_supported(shape.head_dim), v, q_seg, q_pos, kv_seg,
+                            kv_pos);
+      e.failure())
+    return e;
   const std::initializer_list<int64_t> qdims = {shape.batch, shape.q_len, shape.q_heads, shape.head_dim};
   const std::initializer_list<int64_t> kvdims = {shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim};
   if (!dims_are(out, qdims) || !dims_are(dout, qdims) || !dims_are(*dq, qdims))

@@ -33,8 +33,12 @@ struct FwdParams {
   int nq, nkv;                // nq: query tiles per row (sm_90a kernel: tile slots per row)
 };
 
-// Keys per step of the sm_90a kernel (its query tile is kFwdBlockM = 128).
-constexpr int fwd_sm90_block_n(int64_t d) { return d == 256 ? 64 : 128; }
+// Keys per step of the sm_90a kernel (its query tile is kFwdBlockM = 128): 64 above D 128, where
+// two stages of 128-key K and V tiles would not fit in shared memory next to Q.
+constexpr int fwd_sm90_block_n(int64_t d) { return d > 128 ? 64 : 128; }
+
+// Head dims of the sm_90a kernel: the sm_80 kernel's 64, 128 and 256, and 96 and 192.
+constexpr bool fwd_sm90_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
 
 }  // namespace detail
 

@@ -315,7 +315,12 @@ bool fwd_fixed_tiles_by_env() { return env_flag("JAXCP_FWD_FIXED_TILES"); }
 
 }  // namespace detail
 
-bool attention_head_dim_supported(int64_t d) { return d == 64 || d == 128 || d == 256; }
+bool attention_bwd_head_dim_supported(int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+bool attention_fwd_head_dim_supported(const AttentionArgs& a) {
+  const int64_t d = a.shape.head_dim;
+  return attention_bwd_head_dim_supported(d) || (detail::fwd_sm90_head_dim(d) && fwd_use_sm90(a));
+}
 
 size_t attention_fwd_workspace_bytes(const AttentionArgs& a) {
   return detail::fwd_workspace(a.shape).bytes;
@@ -326,7 +331,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
                           const int32_t* kv_seg, const int32_t* kv_pos, void* out, float* lse,
                           void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
-  if (!attention_head_dim_supported(s.head_dim)) return cudaErrorInvalidValue;
+  if (!attention_fwd_head_dim_supported(a)) return cudaErrorInvalidValue;
   if (s.batch < 0 || s.q_len < 0 || s.kv_len < 0 || s.q_heads < 0 || s.kv_heads <= 0 ||
       s.q_heads % s.kv_heads != 0)
     return cudaErrorInvalidValue;

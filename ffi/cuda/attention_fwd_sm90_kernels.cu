@@ -39,7 +39,7 @@ struct FwdSm90Traits {
                            GMMA::Major::MN>(),
       AtomLayout{}));
 
-  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemAtom = SmemAtomKMajor<Element, kD>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBM>, Int<kD>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBN>, Int<kD>, Int<kStages>>{}));
   // V read as the (D, keys) B operand of P V: the same bytes, MN-major.
@@ -60,9 +60,9 @@ struct FwdSm90Traits {
   static constexpr uint32_t kQBytes = kBM * kD * sizeof(Element);
 
   // O is staged on its way to global memory in a buffer of its own where shared memory allows
-  // (D <= 128), so the next tile's Q can land during this tile's epilogue; with D 256 it goes
-  // through sQ and the next Q waits for the epilogue.
-  static constexpr bool kSeparateO = kHeadDim <= 128;
+  // (D <= 192: 192 KB of tiles at most), so the next tile's Q can land during this tile's
+  // epilogue; with D 256 it goes through sQ and the next Q waits for the epilogue.
+  static constexpr bool kSeparateO = (2 * kBM + 2 * kStages * kBN) * kD * int(sizeof(Element)) <= 192 * 1024;
 
   // What the producer tells the consumers about their next tile (b < 0: no tiles left; work 0:
   // no key to visit) and about each key tile it loads (its class, and whether
@@ -531,7 +531,9 @@ template <class Element>
 cudaError_t dispatch_fwd_sm90(const FwdParams& p, int64_t batch, int64_t d, cudaStream_t stream) {
   switch (d) {
     case 64: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 64>>(p, batch, stream);
+    case 96: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 96>>(p, batch, stream);
     case 128: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 128>>(p, batch, stream);
+    case 192: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 192>>(p, batch, stream);
     case 256: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 256>>(p, batch, stream);
     default: return cudaErrorInvalidValue;
   }

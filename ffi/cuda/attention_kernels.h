@@ -20,8 +20,13 @@ namespace jaxcp::cuda {
 
 enum class DType { kBF16, kF16 };
 
-// Head dims with compiled kernels: 64, 128, 256.
-bool attention_head_dim_supported(int64_t head_dim);
+// Whether the forward kernels run args.shape.head_dim for these arguments: 64, 128 and 256
+// always; 96 and 192 where the sm_90a kernel runs (fwd_use_sm90: an sm_90 device, no short
+// window). Callers zero-pad any other head dim to the next supported one.
+bool attention_fwd_head_dim_supported(const AttentionArgs& args);
+
+// Head dims of the backward kernels: 64, 128, 256.
+bool attention_bwd_head_dim_supported(int64_t head_dim);
 
 // Bytes of workspace the forward needs (tile summaries and per-tile work ranges: O(B*S)).
 size_t attention_fwd_workspace_bytes(const AttentionArgs& args);

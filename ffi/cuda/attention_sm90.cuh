@@ -25,6 +25,13 @@
 
 namespace jaxcp::cuda::detail {
 
+// K-major shared-memory atom for rows of kCols 16-bit elements: the widest swizzle whose span
+// divides the row (128 bytes for D 64, 128, 192, 256; 64 bytes for D 96).
+template <class Element, int kCols>
+using SmemAtomKMajor = std::conditional_t<
+    kCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+    std::conditional_t<kCols % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
+
 // wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)) = (rows, cols).
 template <class L>
 __forceinline__ __device__ auto acc_rowcol_sm90(L const& l) {

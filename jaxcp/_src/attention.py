@@ -15,10 +15,9 @@ from .primitive_utils import choose_implementation
 from .reference import attention_reference
 from .small_seq import small_seq_eligible, small_seq_from_attention
 
-# The CUDA kernels' tile widths. Any head dim up to 256 runs on them: a smaller one is zero-padded
-# to the next width (zero columns change neither q.k nor p.v, and their gradients are sliced off).
-_CUDA_HEAD_DIMS = (64, 128, 256)
-_CUDA_ANY_HEAD_DIM = range(1, _CUDA_HEAD_DIMS[-1] + 1)
+# Any head dim up to 256 runs on the CUDA kernels: one they have no tiles for is zero-padded to the
+# next they do (zero columns change neither q.k nor p.v, and their gradients are sliced off).
+_CUDA_ANY_HEAD_DIM = range(1, registry.CUDA_KERNEL_HEAD_DIMS[-1] + 1)
 _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -51,40 +50,57 @@ def _backward(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, confi
   return cp_lib.cp_bwd(strategy, local, axis, cp_size, *args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _kernel_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
-  return _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
+# widths: the head dims the forward and the backward kernels run at (_kernel_head_dims). Q, K and
+# V (and O, dO) are padded to them around each kernel call; with a value head dim of its own
+# (MLA) V is padded to the same width as Q and K, and O sliced back to it.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kernel_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths):
+  return _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths[0])
 
 
-def _kernel_attention_fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
-  out, lse = _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
+def _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, width):
+  qp, kp, vp = (_pad_head_dim(x, width) for x in (q, k, v))
+  out, lse = _forward(qp, kp, vp, q_seg, q_pos, kv_seg, kv_pos, config)
+  return _slice_head_dim(out, v.shape[-1]), lse
+
+
+def _kernel_attention_fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths):
+  out, lse = _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths[0])
   # Named residuals: a remat policy that saves these two skips rerunning the forward kernel.
   out = checkpoint_name(out, "jaxcp_attention_out")
   lse = checkpoint_name(lse, "jaxcp_attention_lse")
   return (out, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse)
 
 
-def _kernel_attention_bwd(config, residuals, cotangents):
+def _kernel_attention_bwd(config, widths, residuals, cotangents):
   q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _backward(q, k, v, out, lse, dout.astype(out.dtype), dlse.astype(jnp.float32),
-                         q_seg, q_pos, kv_seg, kv_pos, config)
+  # O's padded columns are zeros (those of V are), so O re-padded is the kernel's O.
+  qp, kp, vp, outp, doutp = (_pad_head_dim(x, widths[1]) for x in (q, k, v, out, dout.astype(out.dtype)))
+  dq, dk, dv = _backward(qp, kp, vp, outp, lse, doutp, dlse.astype(jnp.float32), q_seg, q_pos, kv_seg, kv_pos,
+                         config)
+  dq, dk, dv = (_slice_head_dim(g, x.shape[-1]) for g, x in ((dq, q), (dk, k), (dv, v)))
   return dq, dk, dv, None, None, None, None
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
-def _kernel_head_dim(impl, d):
-  """The head dim the kernel runs at: the next CUDA tile width, or d itself on the CPU."""
+def _kernel_head_dims(impl, d, spec, scale):
+  """(forward, backward) head dims the kernels run a head dim of d at: d itself on the CPU; on
+  CUDA the next the kernels have tiles for on this device (the sm_90a forward has 96 and 192)."""
   if impl != "cuda":
-    return d
-  return next(w for w in _CUDA_HEAD_DIMS if w >= d)
+    return d, d
+  return tuple(registry.cuda_kernel_head_dim(direction, d, spec.window_left, scale) for direction in ("fwd", "bwd"))
 
 
 def _pad_head_dim(x, width):
   d = x.shape[-1]
   return x if d == width else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - d),))
+
+
+def _slice_head_dim(x, d):
+  return x if x.shape[-1] == d else x[..., :d]
 
 
 # ---------------------------------------------------------------- validation
@@ -172,10 +188,6 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   else:
     registry.ensure_registered()
     config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis)
-    # The kernels take one head dim: a value head dim of its own (MLA) is padded to it as well.
-    width = _kernel_head_dim(impl, max(d, dv))
-    query, key, value = (_pad_head_dim(x, width) for x in (query, key, value))
-    out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config)
-    if width != dv:
-      out = out[..., :dv]
+    widths = _kernel_head_dims(impl, max(d, dv), spec, float(scale))
+    out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config, widths)
   return (out, lse) if return_residual else out

@@ -73,3 +73,17 @@ def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, determini
   if direction == "fwd":
     return int(module.attention_fwd_workspace_bytes(*common))
   return int(module.attention_bwd_workspace_bytes(*common, deterministic))
+
+
+# The CUDA kernels' head dims (sm_90a forward also 96 and 192; attention_head_dim_supported says
+# which run where). A head dim between them is zero-padded to the next.
+CUDA_KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def cuda_kernel_head_dim(direction: str, d: int, window_left: int, scale: float) -> int:
+  """The head dim the CUDA attention kernels of `direction` ("fwd" / "bwd") run for a head dim
+  of d on the current device: the smallest they support that is at least d (d <= 256). Not
+  cached: the development switches JAXCP_DISABLE_SM90 / JAXCP_FORCE_SM90 are read at each call."""
+  module = _load("CUDA")
+  return next(w for w in CUDA_KERNEL_HEAD_DIMS
+              if w >= d and module.attention_head_dim_supported(direction == "fwd", w, window_left, scale))
