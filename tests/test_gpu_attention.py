@@ -239,8 +239,9 @@ def test_head_dims_between_tile_widths(head_dim):
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("head_dim", [96, 192])
 def test_native_head_dims(mask, head_dim, monkeypatch):
-  """The sm_90a forward's 96- and 192-wide tiles (the backward runs padded to 128 / 256) under
-  every mask: JAXCP_FORCE_SM90 puts the short windows on it too. Off Hopper this runs padded."""
+  """The sm_90a kernels' own head dims under every mask: forward 96 and 192, backward 96 (192 runs
+  padded to 256). JAXCP_FORCE_SM90 puts the short windows on the forward too. Off Hopper this
+  runs padded."""
   monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
   rng = np.random.default_rng(17)
   seg = random_segments(rng, 2, 700, mean_doc=150)
@@ -263,25 +264,33 @@ def test_native_head_dim_dtypes_gqa_cross(dtype, heads):
   _compare(*_qkv(18, 2, 300, 530, hq, hkv, 96, dtype), dtype, segment_ids=seg_q, kv_segment_ids=seg_k)
 
 
-def _forward_operand_widths(head_dim, **kw):
-  """Head dims of the bfloat16 operands in the lowered forward of a D head_dim call."""
+def _operand_widths(head_dim, backward=False, **kw):
+  """Head dims of the bfloat16 operands in the lowered forward (or gradient) of a D head_dim call."""
   q, k, v, _ = _qkv(19, 1, 256, 256, 2, 2, head_dim, jnp.bfloat16)
-  hlo = jax.jit(lambda q, k, v: jaxcp.attention(q, k, v, **kw)).lower(q, k, v).as_text()
+  f = lambda q, k, v: jnp.sum(jaxcp.attention(q, k, v, **kw).astype(jnp.float32))
+  hlo = jax.jit(jax.grad(f, argnums=(0, 1, 2)) if backward else f).lower(q, k, v).as_text()
   return {w for w in (96, 128, 192, 256) if f"x{w}xbf16>" in hlo}
 
 
-@pytest.mark.skipif(not jax.devices()[0].platform == "gpu" or getattr(jax.devices()[0], "compute_capability", "") != "9.0",
-                    reason="the 96- and 192-wide forward tiles are sm_90a's")
+def _on_hopper():
+  device = jax.devices()[0]
+  return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="the 96- and 192-wide tiles are sm_90a's")
 @pytest.mark.parametrize("head_dim,padded", [(96, 128), (192, 256)])
 def test_native_head_dims_run_unpadded_on_hopper(head_dim, padded, monkeypatch):
-  """On Hopper the forward runs D 96 / 192 as they are (no pad, no slice); a short window, which
-  the sm_80 forward takes, and JAXCP_DISABLE_SM90 pad to the next tile width; a head dim between
-  (80, 160) pads to the native one."""
-  assert _forward_operand_widths(head_dim, is_causal=True) == {head_dim}
-  assert _forward_operand_widths(head_dim - 16, is_causal=True) == {head_dim}
-  assert _forward_operand_widths(head_dim, local_window_size=(64, 0)) == {head_dim, padded}
+  """On Hopper the forward runs D 96 / 192 as they are (no pad, no slice), the backward D 96 unless
+  deterministic; a short window, which the sm_80 forward takes, and JAXCP_DISABLE_SM90 pad to the
+  next tile width; a head dim between (80, 176) pads to the native one."""
+  assert _operand_widths(head_dim, is_causal=True) == {head_dim}
+  assert _operand_widths(head_dim - 16, is_causal=True) == {head_dim}
+  assert _operand_widths(head_dim, local_window_size=(64, 0)) == {head_dim, padded}
+  native_bwd = {head_dim} if head_dim == 96 else {head_dim, padded}
+  assert _operand_widths(head_dim, backward=True, is_causal=True) == native_bwd
+  assert _operand_widths(head_dim, backward=True, is_causal=True, deterministic=True) == {head_dim, padded}
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
-  assert _forward_operand_widths(head_dim, is_causal=True) == {head_dim, padded}
+  assert _operand_widths(head_dim, is_causal=True) == {head_dim, padded}
 
 
 @pytest.mark.parametrize("dims", [(192, 128), (64, 128)], ids=["qk192_v128", "qk64_v128"])

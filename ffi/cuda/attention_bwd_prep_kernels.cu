@@ -18,8 +18,15 @@ namespace {
 //   with q_ids (sm_90a, blocks of h = 0), q_ids[b, i] = (segment, position) of query i, zeros past
 //     Sq: rows of sq_pad, so that the sm_90a producer loads a query tile's with one bulk copy.
 // Rows of delta are `stride` long (Sq, or sq_pad for the sm_90a kernel); each block holds rows of
-// one (b, h), D/8 threads per row. Lane 0 issues its small loads before the row's, so that every
+// one (b, h), D/8 threads per row rounded up to a power of two (the shuffle tree; D 96: 16, of
+// which 12 load). Lane 0 issues its small loads before the row's, so that every
 // thread has one round trip to memory.
+constexpr int bwd_prep_threads_per_row(int d) {
+  int t = 1;
+  while (t < d / 8) t *= 2;
+  return t;
+}
+
 struct BwdPrepArgs {
   const void* out;
   const void* dout;
@@ -37,14 +44,14 @@ struct BwdPrepArgs {
 
 template <class Element, int D>
 __global__ void __launch_bounds__(256) bwd_prep_kernel(const BwdPrepArgs a) {
-  constexpr int kTpr = D / 8;  // threads per row
+  constexpr int kTpr = bwd_prep_threads_per_row(D);
   constexpr int kRows = 256 / kTpr;
   const int bh = static_cast<int>(blockIdx.x) / a.blocks_per_bh;
   const int b = bh / a.Hq, h = bh % a.Hq;
   const int64_t i = static_cast<int64_t>(static_cast<int>(blockIdx.x) % a.blocks_per_bh) * kRows +
                     static_cast<int>(threadIdx.x) / kTpr;
   const int lane = static_cast<int>(threadIdx.x) % kTpr;
-  const bool in = i < a.stride, real = i < a.Sq;
+  const bool in = i < a.stride && lane < D / 8, real = i < a.Sq && lane < D / 8;
   const int64_t row = static_cast<int64_t>(bh) * a.stride + i;
   const int64_t o = static_cast<int64_t>(bh) * a.Sq + i;  // [B, Hq, Sq]
   float row_lse = 0.f, row_dlse = 0.f;
@@ -71,7 +78,7 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel(const BwdPrepArgs a) {
   }
   CUTE_UNROLL
   for (int s = kTpr / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (in && lane == 0) {
+  if (in && lane == 0) {  // lane 0 < D / 8: `in` is the row's
     a.delta[row] = real ? acc - row_dlse : 0.f;
     if (a.lse2) a.lse2[row] = real ? lse_log2(row_lse) : INFINITY;
     if (a.q_ids && h == 0) a.q_ids[b * a.stride + i] = id;
@@ -242,7 +249,7 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
   // q_ids: one pass
   {
     const int64_t stride = plan.sm90 ? plan.sq_pad : s.q_len;
-    constexpr int kRowsPerBlock = 256 / (D / 8);
+    constexpr int kRowsPerBlock = 256 / bwd_prep_threads_per_row(D);
     BwdPrepArgs prep{out, p.dout, dlse, p.lse, plan.sm90 ? const_cast<float*>(p.lse2) : nullptr,
                      const_cast<float*>(p.delta), plan.sm80_dq ? nullptr : p.dq_accum, p.q_seg, p.q_pos,
                      plan.sm90 ? const_cast<ColMask*>(p.q_ids) : nullptr, s.q_len, stride, p.Hq,
@@ -260,14 +267,21 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
                                                    const_cast<int*>(p.dq_ticket));
     if ((err = cudaGetLastError())) return err;
   }
+  if constexpr (!sm80_head_dim(D)) {  // sm_90a only (attention_bwd_head_dim_supported)
+    if (!plan.sm90) return cudaErrorInvalidValue;
+  }
   if (p.nkv > 0) {
-    err = plan.sm90 ? launch_bwd_sm90(p, std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBF16 : DType::kF16, D,
-                                      stream)
-                    : launch_bwd_dkdv<Element, D>(p, !plan.sm80_dq, stream);
+    if (plan.sm90) {
+      err = launch_bwd_sm90(p, std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBF16 : DType::kF16, D, stream);
+    } else if constexpr (sm80_head_dim(D)) {
+      err = launch_bwd_dkdv<Element, D>(p, !plan.sm80_dq, stream);
+    }
     if (err) return err;
   }
   if (plan.sm80_dq) {
-    if ((err = launch_bwd_dq<Element, D>(p, stream))) return err;
+    if constexpr (sm80_head_dim(D)) {
+      if ((err = launch_bwd_dq<Element, D>(p, stream))) return err;
+    }
   } else if (!plan.sm90) {  // the sm_90a launcher converts its own dQ layout
     scale_convert_kernel<Element><<<grid_for(q_elems / 8, 256), 256, 0, stream>>>(
         p.dq_accum, static_cast<Element*>(dq), q_elems / 8, p.scale);
@@ -287,6 +301,7 @@ cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdP
                          const void* out, const float* dlse, void* dq, cudaStream_t stream) {
   switch (a.shape.head_dim) {
     case 64: return run_bwd<Element, 64>(a, plan, p, out, dlse, dq, stream);
+    case 96: return run_bwd<Element, 96>(a, plan, p, out, dlse, dq, stream);
     case 128: return run_bwd<Element, 128>(a, plan, p, out, dlse, dq, stream);
     case 256: return run_bwd<Element, 256>(a, plan, p, out, dlse, dq, stream);
     default: return cudaErrorInvalidValue;
@@ -297,13 +312,18 @@ cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdP
 
 size_t attention_bwd_workspace_bytes(const AttentionArgs& a) { return detail::bwd_plan(a).bytes; }
 
+bool attention_bwd_head_dim_supported(const AttentionArgs& a) {
+  const int64_t d = a.shape.head_dim;
+  return sm80_head_dim(d) || (bwd_sm90_head_dim(d) && !a.deterministic && bwd_use_sm90(a));
+}
+
 cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, const void* k,
                           const void* v, const void* out, const float* lse, const void* dout,
                           const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
                           const int32_t* kv_pos, void* dq, void* dk, void* dv, void* workspace,
                           size_t workspace_bytes, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
-  if (!attention_bwd_head_dim_supported(s.head_dim)) return cudaErrorInvalidValue;
+  if (!attention_bwd_head_dim_supported(a)) return cudaErrorInvalidValue;
   if (s.batch < 0 || s.q_len < 0 || s.kv_len < 0 || s.q_heads < 0 || s.kv_heads <= 0 ||
       s.q_heads % s.kv_heads != 0)
     return cudaErrorInvalidValue;

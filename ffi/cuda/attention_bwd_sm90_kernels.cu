@@ -616,6 +616,7 @@ template <class Element>
 cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream) {
   switch (d) {
     case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64, 2>>(p, stream);
+    case 96: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 96, 2>>(p, stream);
     case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128, 2>>(p, stream);
     case 256: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element>>(p, stream);
     default: return cudaErrorInvalidValue;
@@ -627,7 +628,7 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
 bool bwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;
   const AttentionShape& s = a.shape;
-  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) return false;
+  if (!bwd_sm90_head_dim(s.head_dim)) return false;
   if (a.deterministic) {
     // Its tickets take an int per (key tile, query tile): kept under a quarter of the float32 dQ
     // accumulator, so that memory stays O(B H S). Longer rows with few heads (e.g. S > 4M at 16

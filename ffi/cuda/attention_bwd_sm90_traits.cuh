@@ -1,6 +1,6 @@
 // Tile shapes, shared-memory layouts and storage of the sm_90a backward kernel
 // (attention_bwd_sm90_kernels.cu), one traits struct per design:
-//   BwdSm90Traits (D 64, 128): 128-key tiles, one 64-key slab per consumer warpgroup; P and dS
+//   BwdSm90Traits (D 64, 96, 128): 128-key tiles, one 64-key slab per consumer warpgroup; P and dS
 //     stay in registers as the A operand of dV / dK; dQ through a shared buffer and a writer warp.
 //     Query tiles of 64, or 128 at D 64 (bwd_sm90_block_m: 8-10% faster there, H100).
 //   BwdSm90SplitDTraits (D 256): dK and dV of 128 keys would not fit in the registers, so key
@@ -31,7 +31,7 @@ struct BwdSm90Common {
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumerThreads = 256;
 
-  using SmemAtomK = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemAtomK = SmemAtomKMajor<Element, kD>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStagesQ>>{}));
   using SmemLayoutdO = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStagesDO>>{}));
   // Q and dO read as the (D, queries) B operand of dK / dV: the same bytes, MN-major.

@@ -138,8 +138,9 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
                           &dtype);
       e.failure())
     return e;
-  if (auto e = check_common(shape, attention_bwd_head_dim_supported(shape.head_dim), v, q_seg, q_pos, kv_seg,
-                            kv_pos);
+  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
+                                         scale, deterministic);
+  if (auto e = check_common(shape, attention_bwd_head_dim_supported(a), v, q_seg, q_pos, kv_seg, kv_pos);
       e.failure())
     return e;
   const std::initializer_list<int64_t> qdims = {shape.batch, shape.q_len, shape.q_heads, shape.head_dim};
@@ -151,8 +152,6 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
   if (!dims_are(lse, {shape.batch, shape.q_heads, shape.q_len}) ||
       !dims_are(dlse, {shape.batch, shape.q_heads, shape.q_len}))
     return invalid("lse and dlse must have shape [B, Hq, Sq]");
-  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
-                                         scale, deterministic);
   const size_t ws_bytes = attention_bwd_workspace_bytes(a);
   void* ws = nullptr;
   if (auto e = workspace_of(workspace, ws_bytes, &ws); e.failure()) return e;

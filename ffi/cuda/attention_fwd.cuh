@@ -38,7 +38,7 @@ struct FwdParams {
 constexpr int fwd_sm90_block_n(int64_t d) { return d > 128 ? 64 : 128; }
 
 // Head dims of the sm_90a kernel: the sm_80 kernel's 64, 128 and 256, and 96 and 192.
-constexpr bool fwd_sm90_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
+constexpr bool fwd_sm90_head_dim(int64_t d) { return sm80_head_dim(d) || d == 96 || d == 192; }
 
 }  // namespace detail
 

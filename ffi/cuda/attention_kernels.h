@@ -25,8 +25,11 @@ enum class DType { kBF16, kF16 };
 // window). Callers zero-pad any other head dim to the next supported one.
 bool attention_fwd_head_dim_supported(const AttentionArgs& args);
 
-// Head dims of the backward kernels: 64, 128, 256.
-bool attention_bwd_head_dim_supported(int64_t head_dim);
+// Whether the backward kernels run args.shape.head_dim for these arguments: 64, 128 and 256
+// always; 96 where the sm_90a kernel runs and deterministic is off (its deterministic dQ falls
+// back to the sm_80 kernels on rows long enough, a rule of the local shape that a caller under
+// sharding cannot see).
+bool attention_bwd_head_dim_supported(const AttentionArgs& args);
 
 // Bytes of workspace the forward needs (tile summaries and per-tile work ranges: O(B*S)).
 size_t attention_fwd_workspace_bytes(const AttentionArgs& args);

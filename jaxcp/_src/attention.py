@@ -86,12 +86,14 @@ def _kernel_attention_bwd(config, widths, residuals, cotangents):
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
-def _kernel_head_dims(impl, d, spec, scale):
+def _kernel_head_dims(impl, d, spec, scale, deterministic):
   """(forward, backward) head dims the kernels run a head dim of d at: d itself on the CPU; on
-  CUDA the next the kernels have tiles for on this device (the sm_90a forward has 96 and 192)."""
+  CUDA the next the kernels have tiles for on this device (sm_90a: forward 96 and 192 too,
+  backward 96)."""
   if impl != "cuda":
     return d, d
-  return tuple(registry.cuda_kernel_head_dim(direction, d, spec.window_left, scale) for direction in ("fwd", "bwd"))
+  return tuple(registry.cuda_kernel_head_dim(direction, d, spec.window_left, scale, deterministic)
+               for direction in ("fwd", "bwd"))
 
 
 def _pad_head_dim(x, width):
@@ -188,6 +190,6 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   else:
     registry.ensure_registered()
     config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis)
-    widths = _kernel_head_dims(impl, max(d, dv), spec, float(scale))
+    widths = _kernel_head_dims(impl, max(d, dv), spec, float(scale), deterministic)
     out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config, widths)
   return (out, lse) if return_residual else out

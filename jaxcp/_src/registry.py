@@ -75,15 +75,15 @@ def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, determini
   return int(module.attention_bwd_workspace_bytes(*common, deterministic))
 
 
-# The CUDA kernels' head dims (sm_90a forward also 96 and 192; attention_head_dim_supported says
-# which run where). A head dim between them is zero-padded to the next.
+# The CUDA kernels' head dims (64, 128, 256; on sm_90a the forward also 96 and 192, the backward
+# 96: attention_head_dim_supported says which run where). Others are zero-padded to the next.
 CUDA_KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
-def cuda_kernel_head_dim(direction: str, d: int, window_left: int, scale: float) -> int:
+def cuda_kernel_head_dim(direction: str, d: int, window_left: int, scale: float, deterministic: bool) -> int:
   """The head dim the CUDA attention kernels of `direction` ("fwd" / "bwd") run for a head dim
   of d on the current device: the smallest they support that is at least d (d <= 256). Not
   cached: the development switches JAXCP_DISABLE_SM90 / JAXCP_FORCE_SM90 are read at each call."""
   module = _load("CUDA")
-  return next(w for w in CUDA_KERNEL_HEAD_DIMS
-              if w >= d and module.attention_head_dim_supported(direction == "fwd", w, window_left, scale))
+  runs = lambda w: module.attention_head_dim_supported(direction == "fwd", w, window_left, scale, deterministic)
+  return next(w for w in CUDA_KERNEL_HEAD_DIMS if w >= d and runs(w))
