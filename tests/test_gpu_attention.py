@@ -239,9 +239,8 @@ def test_head_dims_between_tile_widths(head_dim):
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("head_dim", [96, 192])
 def test_native_head_dims(mask, head_dim, monkeypatch):
-  """The sm_90a kernels' own head dims under every mask: forward 96 and 192, backward 96 (192 runs
-  padded to 256). JAXCP_FORCE_SM90 puts the short windows on the forward too. Off Hopper this
-  runs padded."""
+  """The sm_90a kernels' own head dims, 96 and 192, forward and backward, under every mask.
+  JAXCP_FORCE_SM90 puts the short windows on the forward too. Off Hopper this runs padded."""
   monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
   rng = np.random.default_rng(17)
   seg = random_segments(rng, 2, 700, mean_doc=150)
@@ -280,14 +279,13 @@ def _on_hopper():
 @pytest.mark.skipif(not _on_hopper(), reason="the 96- and 192-wide tiles are sm_90a's")
 @pytest.mark.parametrize("head_dim,padded", [(96, 128), (192, 256)])
 def test_native_head_dims_run_unpadded_on_hopper(head_dim, padded, monkeypatch):
-  """On Hopper the forward runs D 96 / 192 as they are (no pad, no slice), the backward D 96 unless
-  deterministic; a short window, which the sm_80 forward takes, and JAXCP_DISABLE_SM90 pad to the
-  next tile width; a head dim between (80, 176) pads to the native one."""
+  """On Hopper D 96 / 192 run as they are (no pad, no slice), the backward unless deterministic; a
+  short window, which the sm_80 forward takes, and JAXCP_DISABLE_SM90 pad to the next tile
+  width; a head dim between (80, 176) pads to the native one."""
   assert _operand_widths(head_dim, is_causal=True) == {head_dim}
   assert _operand_widths(head_dim - 16, is_causal=True) == {head_dim}
   assert _operand_widths(head_dim, local_window_size=(64, 0)) == {head_dim, padded}
-  native_bwd = {head_dim} if head_dim == 96 else {head_dim, padded}
-  assert _operand_widths(head_dim, backward=True, is_causal=True) == native_bwd
+  assert _operand_widths(head_dim, backward=True, is_causal=True) == {head_dim}
   assert _operand_widths(head_dim, backward=True, is_causal=True, deterministic=True) == {head_dim, padded}
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   assert _operand_widths(head_dim, is_causal=True) == {head_dim, padded}

@@ -1,6 +1,7 @@
 """A small packed-attention forward+backward (and its deterministic backward) for compute-sanitizer
-(no XLA autotuning noise)."""
+(no XLA autotuning noise). Head dims from the command line, default all: python3 sanitizer_case.py 192"""
 import os
+import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
@@ -14,7 +15,7 @@ seg[1, 200:] = 0
 # 4 query heads on 2 kv heads: the sm_90a backward splits the groups (float32 partial dK / dV);
 # 2 on 2: one block per key tile and head, dK / dV by TMA stores (the last key tile ragged).
 for q_heads in (4, 2):
-  for d in (64, 96, 128, 192, 256):  # 96, 192: the sm_90a forward's own tiles (backward padded)
+  for d in [int(a) for a in sys.argv[1:]] or (64, 96, 128, 192, 256):  # 96, 192: sm_90a's own tiles
     for deterministic in (False, True):
       key = jax.random.PRNGKey(d)
       q = jax.random.normal(key, (2, 250, q_heads, d), jnp.bfloat16)

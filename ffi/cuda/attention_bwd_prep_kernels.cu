@@ -303,6 +303,7 @@ cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdP
     case 64: return run_bwd<Element, 64>(a, plan, p, out, dlse, dq, stream);
     case 96: return run_bwd<Element, 96>(a, plan, p, out, dlse, dq, stream);
     case 128: return run_bwd<Element, 128>(a, plan, p, out, dlse, dq, stream);
+    case 192: return run_bwd<Element, 192>(a, plan, p, out, dlse, dq, stream);
     case 256: return run_bwd<Element, 256>(a, plan, p, out, dlse, dq, stream);
     default: return cudaErrorInvalidValue;
   }

@@ -618,7 +618,8 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
     case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64, 2>>(p, stream);
     case 96: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 96, 2>>(p, stream);
     case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128, 2>>(p, stream);
-    case 256: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element>>(p, stream);
+    case 192: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 192>>(p, stream);
+    case 256: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 256>>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

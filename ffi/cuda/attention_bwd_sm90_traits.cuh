@@ -3,7 +3,7 @@
 //   BwdSm90Traits (D 64, 96, 128): 128-key tiles, one 64-key slab per consumer warpgroup; P and dS
 //     stay in registers as the A operand of dV / dK; dQ through a shared buffer and a writer warp.
 //     Query tiles of 64, or 128 at D 64 (bwd_sm90_block_m: 8-10% faster there, H100).
-//   BwdSm90SplitDTraits (D 256): dK and dV of 128 keys would not fit in the registers, so key
+//   BwdSm90SplitDTraits (D 192, 256): dK and dV of 128 keys would not fit in the registers, so key
 //     tiles are 64 keys and the warpgroups split the head dim of dK, dV and dQ (and the queries
 //     of S^T and dP^T). P^T and dS^T go through shared memory to both; dQ is reduce-added from
 //     the registers (no room for a float32 dQ buffer next to the D 256 tiles).
@@ -21,8 +21,11 @@ struct BwdSm90StepInfo {
   int i, c, h, more;
 };
 
-// Layouts and TMA types both designs share, from the tile sizes and pipeline depths.
-template <class Element_, int kD_, int kBN_, int kStagesQ_, int kStagesDO_>
+// Layouts and TMA types both designs share, from the tile sizes and pipeline depths. kSliceD: the
+// widest slice of the head dim one warpgroup's GEMM takes (D, or D / 2 where they split it): the
+// shared-memory swizzle must divide it, as a slice's MN-major operand must start on a swizzle
+// atom (D 192 split in two: 64-byte swizzle, 96 = 3 x 32 columns).
+template <class Element_, int kD_, int kBN_, int kStagesQ_, int kStagesDO_, int kSliceD = kD_>
 struct BwdSm90Common {
   using Element = Element_;
   static constexpr int kD = kD_, kBM = bwd_sm90_block_m(kD_), kBN = kBN_;
@@ -31,7 +34,7 @@ struct BwdSm90Common {
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumerThreads = 256;
 
-  using SmemAtomK = SmemAtomKMajor<Element, kD>;
+  using SmemAtomK = SmemAtomKMajor<Element, kSliceD>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStagesQ>>{}));
   using SmemLayoutdO = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStagesDO>>{}));
   // Q and dO read as the (D, queries) B operand of dK / dV: the same bytes, MN-major.
@@ -124,12 +127,12 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages> 
 
 // One dO stage: two, with single P / dS buffers (the shared memory allows one or the other), ran
 // at the same speed (H100, 2 x 8k, documents of 1k).
-template <class Element_>
-struct BwdSm90SplitDTraits : BwdSm90Common<Element_, 256, 64, 2, 1> {
-  using Base = BwdSm90Common<Element_, 256, 64, 2, 1>;
+template <class Element_, int kHeadDim>
+struct BwdSm90SplitDTraits : BwdSm90Common<Element_, kHeadDim, 64, 2, 1, kHeadDim / 2> {
+  using Base = BwdSm90Common<Element_, kHeadDim, 64, 2, 1, kHeadDim / 2>;
   using Element = Element_;
   static constexpr bool kSplitD = true;
-  static constexpr int kD = 256, kBM = Base::kBM, kBN = Base::kBN;
+  static constexpr int kD = kHeadDim, kBM = Base::kBM, kBN = Base::kBN;
   // Named barriers: 0 __syncthreads; 1 / 2 both warpgroups' P^T / dS^T are in shared memory;
   // 3 the deterministic dQ turn taken / done; 4, 5 a warpgroup's query masks.
   static constexpr int kBarP = 1, kBarDS = 2, kBarTurn = 3, kBarQMasks = 4;

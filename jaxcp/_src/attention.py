@@ -88,8 +88,7 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 def _kernel_head_dims(impl, d, spec, scale, deterministic):
   """(forward, backward) head dims the kernels run a head dim of d at: d itself on the CPU; on
-  CUDA the next the kernels have tiles for on this device (sm_90a: forward 96 and 192 too,
-  backward 96)."""
+  CUDA the next the kernels have tiles for on this device (sm_90a: 96 and 192 too)."""
   if impl != "cuda":
     return d, d
   return tuple(registry.cuda_kernel_head_dim(direction, d, spec.window_left, scale, deterministic)

@@ -75,8 +75,8 @@ def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, determini
   return int(module.attention_bwd_workspace_bytes(*common, deterministic))
 
 
-# The CUDA kernels' head dims (64, 128, 256; on sm_90a the forward also 96 and 192, the backward
-# 96: attention_head_dim_supported says which run where). Others are zero-padded to the next.
+# The CUDA kernels' head dims (64, 128, 256; on sm_90a also 96 and 192: attention_head_dim_supported
+# says which run where). Others are zero-padded to the next.
 CUDA_KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
