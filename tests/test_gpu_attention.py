@@ -250,8 +250,8 @@ def test_native_head_dims(mask, head_dim, monkeypatch):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa4", "mqa"])
 def test_native_head_dim_dtypes_gqa_cross(dtype, heads):
-  """D 96 on the sm_90a forward: float16, GQA / MQA, cross attention (Sq != Skv), documents of
-  length 1 and a row of padding only."""
+  """D 96 on the sm_90a kernels (forward and backward): float16, GQA / MQA, cross attention
+  (Sq != Skv), documents of length 1 and a row of padding only."""
   hq, hkv = heads
   seg_q = np.ones((2, 300), np.int32)
   seg_q[0, 100:] = 2
@@ -293,8 +293,9 @@ def test_native_head_dims_run_unpadded_on_hopper(head_dim, padded, monkeypatch):
 
 @pytest.mark.parametrize("dims", [(192, 128), (64, 128)], ids=["qk192_v128", "qk64_v128"])
 def test_value_head_dim_of_its_own(dims):
-  """Multi-head latent attention's shapes (DeepSeek: q/k 192, v 128): both run padded to the
-  wider tile width; output [B, S, Hq, Dv] and the gradients against the reference."""
+  """Multi-head latent attention's shapes (DeepSeek: q/k 192, v 128): V runs padded to the head dim
+  the kernels take for the wider of the two; output [B, S, Hq, Dv] and the gradients against the
+  reference."""
   d, dv = dims
   rng = np.random.default_rng(15)
   seg = random_segments(rng, 2, 700, mean_doc=150)

@@ -28,9 +28,9 @@
 // deterministic backward orders its dQ adds the same way). dK and dV need no turns: one block
 // writes each key tile's (split GQA groups' partial sums are reduced in a fixed order).
 //
-// D 256 (BwdSm90SplitDTraits, kSplitD) keeps the producer and the masks but not the register
-// budget of 128 keys x 256 for both dK and dV: its key tiles are 64 keys, the warpgroups split
-// the queries of S^T / dP^T and the head dim of dK / dV / dQ, so P^T and dS^T go through shared
+// D 192 and 256 (BwdSm90SplitDTraits, kSplitD) keep the producer and the masks but not the
+// register budget of 128 keys x D for both dK and dV: their key tiles are 64 keys, the warpgroups
+// split the queries of S^T / dP^T and the head dim of dK / dV / dQ, so P^T and dS^T go through shared
 // memory to both (shared-memory wgmma), and each warpgroup reduce-adds its half of dQ from the
 // registers (red.global.add.v4.f32, in the same fragment order; there is no room for a float32
 // dQ tile in shared memory next to the D 256 tiles). On 2 x 8k with documents of 1k (H100) it is
