@@ -629,7 +629,7 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream
 bool bwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;
   const AttentionShape& s = a.shape;
-  if (!bwd_sm90_head_dim(s.head_dim)) return false;
+  if (!sm90_head_dim(s.head_dim)) return false;
   if (a.deterministic) {
     // Its tickets take an int per (key tile, query tile): kept under a quarter of the float32 dQ
     // accumulator, so that memory stays O(B H S). Longer rows with few heads (e.g. S > 4M at 16

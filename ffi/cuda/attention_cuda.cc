@@ -63,8 +63,9 @@ ffi::Error check_common(const AttentionShape& s, bool head_dim_ok, const AnyBuff
                         const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& kv_pos) {
   if (!head_dim_ok)
     return invalid("head_dim " + std::to_string(s.head_dim) +
-                   " is not supported by the CUDA kernels here (64, 128 or 256; forward on sm_90 also "
-                   "96 and 192): pad it, as jaxcp.attention does");
+                   " is not supported by the CUDA kernels here (64, 128 or 256; on sm_90 also 96 and 192, "
+                   "but for short windows forward and deterministic backward): pad it, as jaxcp.attention "
+                   "does");
   if (!dims_are(v, {s.batch, s.kv_len, s.kv_heads, s.head_dim}))
     return invalid("v must have the shape of k");
   if (!dims_are(q_seg, {s.batch, s.q_len}) || !dims_are(q_pos, {s.batch, s.q_len}))

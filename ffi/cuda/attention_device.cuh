@@ -32,10 +32,10 @@ constexpr int kBwdBlockM = 64;   // query rows per backward step (sm_80 dK/dV ke
 constexpr int bwd_sm90_block_m(int64_t d) { return d == 64 ? 128 : kBwdBlockM; }
 constexpr int bwd_block_n(int64_t d) { return d > 128 ? 64 : 128; }  // keys per dK/dV block
 constexpr int dq_block_n(int64_t d) { return d == 256 ? 32 : 64; }    // keys per dQ-kernel step
-// Head dims with tiles: the sm_80 kernels' (and every kernel's) 64, 128, 256; the sm_90a backward
-// (and forward, attention_fwd.cuh) also 96 and 192.
+// Head dims with tiles: the sm_80 kernels' 64, 128, 256; the sm_90a kernels' (forward and
+// backward) also 96 and 192.
 constexpr bool sm80_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
-constexpr bool bwd_sm90_head_dim(int64_t d) { return sm80_head_dim(d) || d == 96 || d == 192; }
+constexpr bool sm90_head_dim(int64_t d) { return sm80_head_dim(d) || d == 96 || d == 192; }
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

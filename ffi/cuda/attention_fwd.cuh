@@ -37,9 +37,6 @@ struct FwdParams {
 // two stages of 128-key K and V tiles would not fit in shared memory next to Q.
 constexpr int fwd_sm90_block_n(int64_t d) { return d > 128 ? 64 : 128; }
 
-// Head dims of the sm_90a kernel: the sm_80 kernel's 64, 128 and 256, and 96 and 192.
-constexpr bool fwd_sm90_head_dim(int64_t d) { return sm80_head_dim(d) || d == 96 || d == 192; }
-
 }  // namespace detail
 
 // True when the sm_90a forward kernel should run these arguments: the current device is sm_90,

@@ -317,7 +317,7 @@ bool fwd_fixed_tiles_by_env() { return env_flag("JAXCP_FWD_FIXED_TILES"); }
 
 bool attention_fwd_head_dim_supported(const AttentionArgs& a) {
   const int64_t d = a.shape.head_dim;
-  return sm80_head_dim(d) || (detail::fwd_sm90_head_dim(d) && fwd_use_sm90(a));
+  return sm80_head_dim(d) || (sm90_head_dim(d) && fwd_use_sm90(a));
 }
 
 size_t attention_fwd_workspace_bytes(const AttentionArgs& a) {
