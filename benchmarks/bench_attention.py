@@ -1,7 +1,8 @@
 """Packed-document attention: jaxcp vs JAX's cuDNN (packed q_offsets form and dense causal) and
 XLA, side by side in one process, with a bf16 matmul and a device copy measured in the same run.
 
-FLOPs count allowed pairs only: forward 4*D*Hq*pairs, forward+backward 3.5x that.
+FLOPs count allowed pairs only: forward 2*(D+Dv)*Hq*pairs (4*D*Hq*pairs when V's head dim Dv is
+D), forward+backward 3.5x that.
 Writes JSON + markdown (+ a PNG plot) to $OUT or benchmarks/results/.
 
   python benchmarks/bench_attention.py            # the full GPU case list
@@ -56,9 +57,10 @@ GPU_CASES = [
     Case("1x128k doc8k 32/8", 1, 131072, 8192, q_heads=32, kv_heads=8),
 ]
 
-# Head dims between the kernels' tile widths (run zero-padded to the next: 96 -> 128, 192 -> 256),
-# with `--extra`; their own table (attention_extra.*), outside the main cases' geometric means.
-# FLOPs count the true head dim, so the padding shows as lost throughput.
+# Head dims beyond 64 / 128 / 256, with `--extra`: 96 and 192 (the sm_90a kernels' own tiles; padded
+# to 128 / 256 elsewhere) and multi-head latent attention's q/k 192 with v 128 (V native in the
+# sm_90a forward, padded to 192 in the backward). Their own table (attention_extra.*), outside the
+# main cases' geometric means. FLOPs count the true head dims, so padding shows as lost throughput.
 EXTRA_CASES = [
     Case("2x8k doc1k D96", 2, 8192, 1024, head_dim=96, xla=True),
     Case("2x8k doc1k D192", 2, 8192, 1024, head_dim=192),

@@ -178,11 +178,14 @@ def test_default_implementation_on_cpu_is_the_kernel():
   assert "jaxcp_attention_fwd" in hlo
 
 
-@pytest.mark.parametrize("head_dim,widths", [(5, (64, 64)), (40, (64, 64)), (40, (48, 64)), (48, (48, 64))])
+@pytest.mark.parametrize("head_dim,widths", [
+    (5, ((64, 64), (64, 64))), (40, ((64, 64), (64, 64))), (40, ((48, 48), (64, 64))),
+    (48, ((48, 48), (64, 64))), (40, ((64, 48), (64, 64))), (40, ((64, 40), (48, 48)))])
 def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, widths, monkeypatch):
   """The CUDA path runs a head dim between its tile widths zero-padded to the next width, and
-  the forward may have a width the backward has not (sm_90a forward: 96, 192): (48, 64) pads
-  only the backward's operands, to another width than the forward's. The same padding through
+  the forward may have a width the backward has not (sm_90a forward: 96, 192): ((48, 48), (64,
+  64)) pads only the backward's operands, to another width than the forward's. V may be padded to
+  a width of its own ((64, 48): multi-head latent attention's 192 / 128). The same padding through
   the CPU kernel must leave the output, the LSE (scale from the true head dim) and the gradients
   unchanged, and return the true head dim."""
   attention_module = importlib.import_module("jaxcp._src.attention")
@@ -199,10 +202,11 @@ def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, widths, monke
     return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
   want_grads, (want_out, want_lse) = run(q, k, v)
-  monkeypatch.setattr(attention_module, "_kernel_head_dims", lambda impl, d, spec, scale, deterministic: widths)
+  monkeypatch.setattr(attention_module, "_kernel_head_dims", lambda impl, d, dv, spec, scale, deterministic: widths)
   hlo = jax.jit(run).lower(q, k, v).as_text()
-  for width in widths:  # the kernels really ran padded
-    assert f"tensor<2x24x4x{width}xf32>" in hlo
+  for width, value_width in widths:  # the kernels really ran padded: Q and K to width, V to value_width
+    assert f"tensor<2x24x4x{width}xf32>" in hlo and f"tensor<2x24x2x{width}xf32>" in hlo
+    assert f"tensor<2x24x2x{value_width}xf32>" in hlo
   got_grads, (got_out, got_lse) = run(q, k, v)
   assert got_out.shape == want_out.shape
   np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=1e-6, atol=1e-6)
@@ -214,16 +218,19 @@ def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, widths, monke
 
 @pytest.mark.parametrize("dims", [(8, 12), (12, 4)], ids=["value_wider", "value_narrower"])
 def test_value_head_dim_of_its_own(dims):
-  """Multi-head latent attention's shapes: value's head dim differs from query/key's (the kernels
-  run both padded to the wider). Output [B, Sq, Hq, Dv] and LSE against the float64 oracle; the
-  gradients (each the shape of its input) against the reference."""
+  """Multi-head latent attention's shapes: value's head dim differs from query/key's (the CPU
+  kernels run it unpadded: V, O and dO at Dv). Output [B, Sq, Hq, Dv] and LSE against the float64
+  oracle; the gradients (each the shape of its input) against the reference."""
   d, dv = dims
   rng = np.random.default_rng(13)
   q, k, _ = qkv(rng, 2, 24, 24, 4, 2, d, jnp.float32)
   v = jnp.asarray(rng.standard_normal((2, 24, 2, dv)), jnp.float32)
   seg = random_segments(rng, 2, 24, mean_doc=6)
   pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
-  out, lse = jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, implementation="cpu", return_residual=True)
+  run = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, implementation="cpu",
+                                       return_residual=True)
+  assert "stablehlo.pad" not in jax.jit(run).lower(q, k, v).as_text()  # V not padded to the wider head dim
+  out, lse = run(q, k, v)
   ref_out, ref_lse = numpy_attention(q, k, v, seg, pos, seg, pos, causal=True)
   assert out.shape == (2, 24, 4, dv)
   assert rel_err(out, ref_out) < 1e-5

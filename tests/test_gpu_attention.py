@@ -22,12 +22,14 @@ MASKS = {
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 
 
-def _qkv(seed, b, sq, skv, hq, hkv, d, dtype):
+def _qkv(seed, b, sq, skv, hq, hkv, d, dtype, dv=None):
+  """q, k [.., d]; v and the output cotangent [.., dv] (dv: d unless given)."""
+  dv = d if dv is None else dv
   key = jax.random.PRNGKey(seed)
   q = jax.random.normal(key, (b, sq, hq, d), dtype)
   k = jax.random.normal(jax.random.fold_in(key, 1), (b, skv, hkv, d), dtype)
-  v = jax.random.normal(jax.random.fold_in(key, 2), (b, skv, hkv, d), dtype)
-  do = jax.random.normal(jax.random.fold_in(key, 3), (b, sq, hq, d), dtype)
+  v = jax.random.normal(jax.random.fold_in(key, 2), (b, skv, hkv, dv), dtype)
+  do = jax.random.normal(jax.random.fold_in(key, 3), (b, sq, hq, dv), dtype)
   return q, k, v, do
 
 
@@ -236,21 +238,28 @@ def test_head_dims_between_tile_widths(head_dim):
   assert "jaxcp_attention_fwd" in hlo
 
 
+# (head dim, value head dim) the sm_90a kernels run as they are beyond 64 / 128 / 256: 96, 192, and
+# multi-head latent attention's q/k 192 with v 128 (forward; the backward pads V to 192).
+NATIVE_DIMS = {"d96": (96, 96), "d192": (192, 192), "qk192_v128": (192, 128)}
+
+
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("head_dim", [96, 192])
-def test_native_head_dims(mask, head_dim, monkeypatch):
-  """The sm_90a kernels' own head dims, 96 and 192, forward and backward, under every mask.
-  JAXCP_FORCE_SM90 puts the short windows on the forward too. Off Hopper this runs padded."""
+@pytest.mark.parametrize("dims", list(NATIVE_DIMS.values()), ids=list(NATIVE_DIMS))
+def test_native_head_dims(mask, dims, monkeypatch):
+  """The sm_90a kernels' own head dims, forward and backward, under every mask. JAXCP_FORCE_SM90
+  puts the short windows on the forward too. Off Hopper this runs padded."""
   monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
   rng = np.random.default_rng(17)
   seg = random_segments(rng, 2, 700, mean_doc=150)
-  _compare(*_qkv(17, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])
+  _compare(*_qkv(17, 2, 700, 700, 4, 2, dims[0], jnp.bfloat16, dims[1]), jnp.bfloat16, segment_ids=seg,
+           **MASKS[mask])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa4", "mqa"])
-def test_native_head_dim_dtypes_gqa_cross(dtype, heads):
-  """D 96 on the sm_90a kernels (forward and backward): float16, GQA / MQA, cross attention
+@pytest.mark.parametrize("dims", [(96, 96), (192, 128)], ids=["d96", "qk192_v128"])
+def test_native_head_dim_dtypes_gqa_cross(dtype, heads, dims):
+  """D 96 and q/k 192 with v 128 on the sm_90a kernels: float16, GQA / MQA, cross attention
   (Sq != Skv), documents of length 1 and a row of padding only."""
   hq, hkv = heads
   seg_q = np.ones((2, 300), np.int32)
@@ -260,7 +269,7 @@ def test_native_head_dim_dtypes_gqa_cross(dtype, heads):
   seg_k = np.ones((2, 530), np.int32)
   seg_k[0, 250:] = 2
   seg_k[0, 249] = 3  # a document of one key, which no query shares
-  _compare(*_qkv(18, 2, 300, 530, hq, hkv, 96, dtype), dtype, segment_ids=seg_q, kv_segment_ids=seg_k)
+  _compare(*_qkv(18, 2, 300, 530, hq, hkv, dims[0], dtype, dims[1]), dtype, segment_ids=seg_q, kv_segment_ids=seg_k)
 
 
 def _operand_widths(head_dim, backward=False, **kw):
@@ -291,17 +300,35 @@ def test_native_head_dims_run_unpadded_on_hopper(head_dim, padded, monkeypatch):
   assert _operand_widths(head_dim, is_causal=True) == {head_dim, padded}
 
 
-@pytest.mark.parametrize("dims", [(192, 128), (64, 128)], ids=["qk192_v128", "qk64_v128"])
+@pytest.mark.parametrize("dims", [(192, 128), (64, 128), (176, 112), (192, 64)],
+                         ids=["qk192_v128", "qk64_v128", "qk176_v112", "qk192_v64"])
 def test_value_head_dim_of_its_own(dims):
-  """Multi-head latent attention's shapes (DeepSeek: q/k 192, v 128): V runs padded to the head dim
-  the kernels take for the wider of the two; output [B, S, Hq, Dv] and the gradients against the
-  reference."""
+  """A value head dim unlike q/k's: multi-head latent attention (DeepSeek: q/k 192, v 128), V
+  wider than q/k, and widths that pad to 192 / 128 (which run natively forward on Hopper) or to
+  192 / 128 from a V of 64. Output [B, S, Hq, Dv] and the gradients against the reference."""
   d, dv = dims
   rng = np.random.default_rng(15)
   seg = random_segments(rng, 2, 700, mean_doc=150)
-  q, k, _, _ = _qkv(15, 2, 700, 700, 4, 2, d, jnp.bfloat16)
-  _, _, v, do = _qkv(16, 2, 700, 700, 4, 2, dv, jnp.bfloat16)
-  _compare(q, k, v, do, jnp.bfloat16, segment_ids=seg, is_causal=True)
+  _compare(*_qkv(15, 2, 700, 700, 4, 2, d, jnp.bfloat16, dv), jnp.bfloat16, segment_ids=seg, is_causal=True)
+
+
+def _mla_pads(backward, **kw):
+  """Whether the lowered forward (or gradient) of a q/k 192, v 128 call pads anything (Q and K
+  are as wide as a tile: only V, O and dO may be padded)."""
+  q, k, v, _ = _qkv(20, 1, 256, 256, 2, 2, 192, jnp.bfloat16, 128)
+  f = lambda q, k, v: jnp.sum(jaxcp.attention(q, k, v, **kw).astype(jnp.float32))
+  return "stablehlo.pad" in jax.jit(jax.grad(f, argnums=(0, 1, 2)) if backward else f).lower(q, k, v).as_text()
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="V's own head dim is the sm_90a forward's")
+def test_mla_value_runs_unpadded_forward_on_hopper(monkeypatch):
+  """On Hopper the forward of q/k 192, v 128 takes V as it is (nothing padded); the backward pads V
+  to 192, and so do a short window (the sm_80 forward) and JAXCP_DISABLE_SM90."""
+  assert not _mla_pads(False, is_causal=True)
+  assert _mla_pads(True, is_causal=True)
+  assert _mla_pads(False, local_window_size=(64, 0))
+  monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
+  assert _mla_pads(False, is_causal=True)
 
 
 def test_padded_head_dim_long_row_fits():

@@ -34,11 +34,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dv", [8, 12], ids=["dv=d", "dv12"])  # dv12: V's head dim of its own (MLA)
 @pytest.mark.parametrize("mesh_shape,names,qspec,heads", CASES, ids=["dp8", "tp8", "dp2tp4-gqa", "dp4tp2-gqa"])
-def test_dp_tp_values_grads_and_no_collectives(cpu_devices, mesh_shape, names, qspec, heads):
+def test_dp_tp_values_grads_and_no_collectives(cpu_devices, mesh_shape, names, qspec, heads, dv):
   rng = np.random.default_rng(0)
   b, s, d = 8, 32, 8
-  q, k, v = qkv(rng, b, s, s, heads[0], heads[1], d, jnp.float32)
+  q, k, _ = qkv(rng, b, s, s, heads[0], heads[1], d, jnp.float32)
+  v = jnp.asarray(rng.standard_normal((b, s, heads[1], dv)), jnp.float32)
   seg = jnp.asarray(random_segments(rng, b, s, mean_doc=9))
   mesh = _mesh(mesh_shape, names)
   kvspec = qspec
@@ -49,7 +51,7 @@ def test_dp_tp_values_grads_and_no_collectives(cpu_devices, mesh_shape, names, q
     out, vjp = jax.vjp(lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True), q, k, v)
     return out, vjp(dout)
 
-  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  dout = jnp.asarray(rng.standard_normal(q.shape[:3] + (dv,)), jnp.float32)
   f = jax.jit(fwd_bwd)
   sharded = args + (_put(mesh, dout, qspec),)
   assert _collectives(f.lower(*sharded).compile().as_text()) == []

@@ -62,7 +62,7 @@ def attention_case(name):
     b, s, doc, *window = (int(x) for x in name.split(":")[1:])
     rows = [[doc] * (s // doc) + ([s % doc] if s % doc else []) for _ in range(b)]
     return ba.Case(name, b, s, doc, window=window[0] if window else None), rows
-  case = next(c for c in ba.GPU_CASES + ba.QUICK_CASES if c.name == name)
+  case = next(c for c in ba.GPU_CASES + ba.EXTRA_CASES + ba.QUICK_CASES if c.name == name)
   return case, ba.case_rows(case)
 
 
@@ -73,11 +73,13 @@ def attention_fn(name, backward):
   key = jax.random.PRNGKey(1)
   q = jax.random.normal(key, (case.batch, case.seq_len, case.q_heads, case.head_dim), jnp.bfloat16)
   kv_shape = (case.batch, case.seq_len, case.kv_heads, case.head_dim)
+  dv = case.v_head_dim or case.head_dim
   k = jax.random.normal(jax.random.fold_in(key, 1), kv_shape, jnp.bfloat16)
-  v = jax.random.normal(jax.random.fold_in(key, 2), kv_shape, jnp.bfloat16)
+  v = jax.random.normal(jax.random.fold_in(key, 2), kv_shape[:3] + (dv,), jnp.bfloat16)
   f = ba._jaxcp(case, seg, pos, deterministic=deterministic)
   if backward:
-    return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), (q, k, v, q)
+    do = jax.random.normal(jax.random.fold_in(key, 3), q.shape[:3] + (dv,), jnp.bfloat16)
+    return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), (q, k, v, do)
   return jax.jit(f), (q, k, v)
 
 
@@ -106,7 +108,8 @@ def run_case(spec, backward, reps, timed):
       case, rows = attention_case(name.removesuffix("+det"))
       window = (case.window - 1, 0) if case.window else None
       pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
-      flops = 4 * case.head_dim * case.q_heads * pairs * (3.5 if backward else 1)
+      dv = case.v_head_dim or case.head_dim
+      flops = 2 * (case.head_dim + dv) * case.q_heads * pairs * (3.5 if backward else 1)
       extra = f" {flops / t / 1e12:.0f} TFLOP/s"
     print(f"{spec}{' fwd+bwd' if backward else ''}: {t * 1e3:.3f} ms{extra}", flush=True)
 

@@ -1,6 +1,7 @@
 // FFI aliases and error helpers shared by the CPU and CUDA handlers.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "attention_shape.h"
@@ -33,6 +34,43 @@ inline ffi::Error attention_shape_from(const ffi::AnyBuffer& q, const ffi::AnyBu
   if (kd[0] != qd[0] || kd[3] != qd[3]) return invalid("q and k disagree on batch or head_dim");
   if (out->kv_heads <= 0 || out->q_heads % out->kv_heads != 0)
     return invalid("q heads must be a multiple of kv heads");
+  return ffi::Error::Success();
+}
+
+template <class Buf>
+bool dims_are(const Buf& b, std::initializer_list<int64_t> dims) {
+  auto d = b.dimensions();
+  if (d.size() != dims.size()) return false;
+  size_t i = 0;
+  for (int64_t x : dims)
+    if (d[i++] != x) return false;
+  return true;
+}
+
+// Reads v's head dim into the shape (Dv: it may differ from D, multi-head latent attention) and
+// checks v's other dims against k's.
+inline ffi::Error value_dim_from(const ffi::AnyBuffer& v, AttentionShape* s) {
+  auto vd = v.dimensions();
+  if (vd.size() != 4 || vd[0] != s->batch || vd[1] != s->kv_len || vd[2] != s->kv_heads || vd[3] <= 0)
+    return invalid("v must have shape [B, Skv, Hkv, Dv], those of k but for its head dim");
+  s->value_dim = vd[3];
+  return ffi::Error::Success();
+}
+
+// out and dout: [B, Sq, Hq, Dv].
+template <class Buf>
+bool has_out_shape(const Buf& b, const AttentionShape& s) {
+  return dims_are(b, {s.batch, s.q_len, s.q_heads, s.v_dim()});
+}
+
+// Segment ids and positions: [B, Sq] for the queries, [B, Skv] for the keys.
+template <class Buf>
+ffi::Error check_token_arrays(const AttentionShape& s, const Buf& q_seg, const Buf& q_pos, const Buf& kv_seg,
+                              const Buf& kv_pos) {
+  if (!dims_are(q_seg, {s.batch, s.q_len}) || !dims_are(q_pos, {s.batch, s.q_len}))
+    return invalid("query segment ids / positions must have shape [B, Sq]");
+  if (!dims_are(kv_seg, {s.batch, s.kv_len}) || !dims_are(kv_pos, {s.batch, s.kv_len}))
+    return invalid("key segment ids / positions must have shape [B, Skv]");
   return ffi::Error::Success();
 }
 

@@ -315,6 +315,7 @@ size_t attention_bwd_workspace_bytes(const AttentionArgs& a) { return detail::bw
 
 bool attention_bwd_head_dim_supported(const AttentionArgs& a) {
   const int64_t d = a.shape.head_dim;
+  if (a.shape.v_dim() != d) return false;  // the backward pads V to the head dim
   return sm80_head_dim(d) || (sm90_head_dim(d) && !a.deterministic && bwd_use_sm90(a));
 }
 

@@ -46,33 +46,17 @@ ffi::Error same_dtype(std::initializer_list<std::pair<const AnyBuffer*, const ch
   return ffi::Error::Success();
 }
 
-template <class Buf>
-bool dims_are(const Buf& b, std::initializer_list<int64_t> dims) {
-  auto d = b.dimensions();
-  if (d.size() != dims.size()) return false;
-  size_t i = 0;
-  for (int64_t x : dims)
-    if (d[i++] != x) return false;
-  return true;
-}
-
-// head_dim_ok: whether this direction's kernels run the head dim for these arguments
+// head_dim_ok: whether this direction's kernels run the head dims for these arguments
 // (attention_*_head_dim_supported; jaxcp.attention pads any other to one that they do).
-ffi::Error check_common(const AttentionShape& s, bool head_dim_ok, const AnyBuffer& v,
+ffi::Error check_common(const AttentionShape& s, bool head_dim_ok,
                         const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& q_pos,
                         const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& kv_pos) {
   if (!head_dim_ok)
-    return invalid("head_dim " + std::to_string(s.head_dim) +
+    return invalid("head_dim " + std::to_string(s.head_dim) + " with value head dim " + std::to_string(s.v_dim()) +
                    " is not supported by the CUDA kernels here (64, 128 or 256; on sm_90 also 96 and 192, "
-                   "but for short windows forward and deterministic backward): pad it, as jaxcp.attention "
-                   "does");
-  if (!dims_are(v, {s.batch, s.kv_len, s.kv_heads, s.head_dim}))
-    return invalid("v must have the shape of k");
-  if (!dims_are(q_seg, {s.batch, s.q_len}) || !dims_are(q_pos, {s.batch, s.q_len}))
-    return invalid("query segment ids / positions must have shape [B, Sq]");
-  if (!dims_are(kv_seg, {s.batch, s.kv_len}) || !dims_are(kv_pos, {s.batch, s.kv_len}))
-    return invalid("key segment ids / positions must have shape [B, Skv]");
-  return ffi::Error::Success();
+                   "but for short windows forward and deterministic backward; V as wide as q and k but for "
+                   "192 / 128 in the sm_90 forward): pad them, as jaxcp.attention does");
+  return check_token_arrays(s, q_seg, q_pos, kv_seg, kv_pos);
 }
 
 ffi::Error launch_status(cudaError_t e, const char* what) {
@@ -99,16 +83,17 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
                             int64_t window_right, int64_t chunk_size, float scale) {
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
+  if (auto e = value_dim_from(v, &shape); e.failure()) return e;
   DType dtype;
   if (auto e = same_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&(*out), "out"}}, &dtype); e.failure())
     return e;
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
                                          scale, /*deterministic=*/true);
-  if (auto e = check_common(shape, attention_fwd_head_dim_supported(a), v, q_seg, q_pos, kv_seg, kv_pos);
+  if (auto e = check_common(shape, attention_fwd_head_dim_supported(a), q_seg, q_pos, kv_seg, kv_pos);
       e.failure())
     return e;
-  if (!dims_are(*out, {shape.batch, shape.q_len, shape.q_heads, shape.head_dim}))
-    return invalid("out must have the shape of q");
+  if (!has_out_shape(*out, shape))
+    return invalid("out must have shape [B, Sq, Hq, Dv], those of q but for v's head dim");
   if (!dims_are(*lse, {shape.batch, shape.q_heads, shape.q_len}))
     return invalid("lse must have shape [B, Hq, Sq]");
   const size_t ws_bytes = attention_fwd_workspace_bytes(a);
@@ -133,6 +118,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
                             float scale, bool deterministic) {
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
+  if (auto e = value_dim_from(v, &shape); e.failure()) return e;
   DType dtype;
   if (auto e = same_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"},
                            {&(*dq), "dq"}, {&(*dk), "dk"}, {&(*dv), "dv"}},
@@ -141,7 +127,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
     return e;
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
                                          scale, deterministic);
-  if (auto e = check_common(shape, attention_bwd_head_dim_supported(a), v, q_seg, q_pos, kv_seg, kv_pos);
+  if (auto e = check_common(shape, attention_bwd_head_dim_supported(a), q_seg, q_pos, kv_seg, kv_pos);
       e.failure())
     return e;
   const std::initializer_list<int64_t> qdims = {shape.batch, shape.q_len, shape.q_heads, shape.head_dim};

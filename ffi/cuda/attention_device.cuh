@@ -36,6 +36,9 @@ constexpr int dq_block_n(int64_t d) { return d == 256 ? 32 : 64; }    // keys pe
 // backward) also 96 and 192.
 constexpr bool sm80_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 constexpr bool sm90_head_dim(int64_t d) { return sm80_head_dim(d) || d == 96 || d == 192; }
+// A value head dim of its own next to head dim d: multi-head latent attention's 192 / 128
+// (DeepSeek-V2/V3), in the sm_90a forward only. Every other pair pads V to d.
+constexpr bool sm90_value_head_dim(int64_t d, int64_t dv) { return d == 192 && dv == 128; }
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

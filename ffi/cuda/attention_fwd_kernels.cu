@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
   const TileSummary qsum = p.q_sum[static_cast<int64_t>(b) * p.nq + m_block];
   const TileSummary* kv_sum = p.kv_sum + static_cast<int64_t>(b) * p.nkv;
 
-  Element* out_ptr = static_cast<Element*>(p.out) + (static_cast<int64_t>(b) * p.Sq + q0) * p.q_row +
+  Element* out_ptr = static_cast<Element*>(p.out) + (static_cast<int64_t>(b) * p.Sq + q0) * p.o_row +
                      static_cast<int64_t>(h) * D;
   float* lse_ptr = p.lse + (static_cast<int64_t>(b) * p.Hq + h) * p.Sq + q0;
 
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
   if (j >= range.y) {  // no allowed key for any row of this tile: out 0, lse -inf
     for (int idx = tidx; idx < q_rows * (D / 8); idx += kThreads) {
       const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
-      *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + c) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(out_ptr + r * p.o_row + c) = make_uint4(0, 0, 0, 0);
     }
     for (int r = tidx; r < q_rows; r += kThreads) lse_ptr[r] = -INFINITY;
     return;
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1) attention_fwd_kernel(const Fw
   cute::copy(smem_tiled_copy_O, taccOrO, taccOsO);
   __syncthreads();
 
-  Tensor gO = make_tensor(make_gmem_ptr(out_ptr), Shape<Int<BM>, Int<D>>{}, make_stride(p.q_row, _1{}));
+  Tensor gO = make_tensor(make_gmem_ptr(out_ptr), Shape<Int<BM>, Int<D>>{}, make_stride(p.o_row, _1{}));
   typename KT::GmemCopyO gmem_copy_O;
   auto gthr_o = gmem_copy_O.get_thread_slice(tidx);
   Tensor tOsO = gthr_o.partition_S(sO);
@@ -316,7 +316,8 @@ bool fwd_fixed_tiles_by_env() { return env_flag("JAXCP_FWD_FIXED_TILES"); }
 }  // namespace detail
 
 bool attention_fwd_head_dim_supported(const AttentionArgs& a) {
-  const int64_t d = a.shape.head_dim;
+  const int64_t d = a.shape.head_dim, dv = a.shape.v_dim();
+  if (dv != d) return sm90_value_head_dim(d, dv) && fwd_use_sm90(a);
   return sm80_head_dim(d) || (sm90_head_dim(d) && fwd_use_sm90(a));
 }
 
@@ -336,7 +337,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   if (s.batch == 0 || s.q_len == 0 || s.q_heads == 0) return cudaSuccess;
   // The sm_90a kernel steps over wider key tiles; the workspace (sized for kFwdBlockN) fits both.
   const bool sm90 = fwd_use_sm90(a);
-  const int block_n = sm90 ? detail::fwd_sm90_block_n(s.head_dim) : kFwdBlockN;
+  const int block_n = sm90 ? detail::fwd_sm90_block_n(s.head_dim, s.v_dim()) : kFwdBlockN;
   const int64_t nq = ceil_div64(s.q_len, kFwdBlockM), nkv = ceil_div64(s.kv_len, block_n);
   if (s.batch > 65535 || s.q_heads > 65535 || nq > INT_MAX || nkv > INT_MAX || s.q_len > INT_MAX ||
       s.kv_len > INT_MAX)
@@ -379,6 +380,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.group = static_cast<int>(s.group());
   p.q_row = s.q_heads * s.head_dim;
   p.kv_row = s.kv_heads * s.head_dim;
+  p.o_row = s.q_heads * s.v_dim();
   p.scale_log2 = a.scale * kLog2e;
   p.mask = a.mask;
   p.q_sum = q_sum; p.kv_sum = kv_sum; p.q_range = q_range; p.order = order;
@@ -388,7 +390,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.key_windows = doc.key_windows;
   p.nq = sm90 ? doc_tile_capacity(s.q_len) : static_cast<int>(nq);  // sm_90a: tile slots per row
   p.nkv = static_cast<int>(nkv);
-  if (sm90) return launch_fwd_sm90(p, s.batch, dtype, s.head_dim, stream);
+  if (sm90) return launch_fwd_sm90(p, s.batch, dtype, s.head_dim, s.v_dim(), stream);
   return dtype == DType::kBF16 ? detail::dispatch_fwd<cutlass::bfloat16_t>(p, s.batch, s.head_dim, stream)
                                : detail::dispatch_fwd<cutlass::half_t>(p, s.batch, s.head_dim, stream);
 }

@@ -24,10 +24,12 @@
 namespace jaxcp::cuda {
 namespace detail {
 
-template <class Element_, int kHeadDim, int kBlockN, int kStages>
+// kHeadDimV: the value head dim, kHeadDim but for multi-head latent attention (192 / 128): V, O
+// and the P V GEMM take it, Q, K and the S GEMM the head dim.
+template <class Element_, int kHeadDim, int kHeadDimV, int kBlockN, int kStages>
 struct FwdSm90Traits {
   using Element = Element_;
-  static constexpr int kD = kHeadDim, kBM = 128, kBN = kBlockN, kNStages = kStages;
+  static constexpr int kD = kHeadDim, kDv = kHeadDimV, kBM = 128, kBN = kBlockN, kNStages = kStages;
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumerThreads = 256;
 
@@ -35,16 +37,19 @@ struct FwdSm90Traits {
   using TiledMmaS = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kBN>, Int<kD>>>(), AtomLayout{}));
   using TiledMmaO = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kD>, Int<kBN>>, GMMA::Major::K,
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kDv>, Int<kBN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       AtomLayout{}));
 
   using SmemAtom = SmemAtomKMajor<Element, kD>;
+  using SmemAtomV = SmemAtomKMajor<Element, kDv>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBM>, Int<kD>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBN>, Int<kD>, Int<kStages>>{}));
-  // V read as the (D, keys) B operand of P V: the same bytes, MN-major.
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBN>, Int<kD>, Int<kStages>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBN>, Int<kDv>, Int<kStages>>{}));
+  // V read as the (Dv, keys) B operand of P V: the same bytes, MN-major.
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kDv>, Int<kBN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBM>, Int<kDv>>{}));
 
   // Global views (token, d, head, batch); TMA fills rows past the sequence end with zeros.
   using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -52,17 +57,22 @@ struct FwdSm90Traits {
   using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeG{}, StrideG{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutQ{},
                                      Shape<Int<kBM>, Int<kD>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutKV{}),
-                                      Shape<Int<kBN>, Int<kD>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutK{}),
+                                     Shape<Int<kBN>, Int<kD>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutV{}),
+                                     Shape<Int<kBN>, Int<kDv>>{}, _1{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  static constexpr uint32_t kTileBytes = kBN * kD * sizeof(Element);
+  static constexpr uint32_t kKTileBytes = kBN * kD * sizeof(Element);
+  static constexpr uint32_t kVTileBytes = kBN * kDv * sizeof(Element);
   static constexpr uint32_t kQBytes = kBM * kD * sizeof(Element);
 
   // O is staged on its way to global memory in a buffer of its own where shared memory allows
   // (D <= 192: 192 KB of tiles at most), so the next tile's Q can land during this tile's
-  // epilogue; with D 256 it goes through sQ and the next Q waits for the epilogue.
-  static constexpr bool kSeparateO = (2 * kBM + 2 * kStages * kBN) * kD * int(sizeof(Element)) <= 192 * 1024;
+  // epilogue; with D 256 it goes through sQ (Dv <= D) and the next Q waits for the epilogue.
+  static constexpr bool kSeparateO =
+      (kBM * (kD + kDv) + kStages * kBN * (kD + kDv)) * int(sizeof(Element)) <= 192 * 1024;
+  static_assert(kDv <= kD, "O through sQ");
 
   // What the producer tells the consumers about their next tile (b < 0: no tiles left; work 0:
   // no key to visit) and about each key tile it loads (its class, and whether
@@ -80,9 +90,9 @@ struct FwdSm90Traits {
 
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    cute::array_aligned<Element, kSeparateO ? cosize_v<SmemLayoutQ> : 8, 128> o;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, kSeparateO ? cosize_v<SmemLayoutO> : 8, 128> o;
     ColMask cols[kMaskSlots][kBN];  // key masks of a partial key tile, in its mask slot
     ColMask rows[kBM];           // (segment, position) of the tile's query rows
     TileInfo info;
@@ -103,7 +113,8 @@ struct FwdSm90Params {
   FwdParams p;
   int batch, kv_heads;
   typename KT::TmaQ tma_q;
-  typename KT::TmaKV tma_k, tma_v;
+  typename KT::TmaK tma_k;
+  typename KT::TmaV tma_v;
 };
 
 // Work item t: (kv head, document tile, q head in group), document tiles last to first. Items
@@ -162,7 +173,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     attention_fwd_sm90_kernel(const __grid_constant__ FwdSm90Params<KT> P) {
 #if JAXCP_SM90_DEVICE
   using Element = typename KT::Element;
-  constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD;
+  constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
   using SharedStorage = typename KT::SharedStorage;
   using Pipeline = typename KT::Pipeline;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -171,9 +182,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   const FwdParams& p = P.p;
 
   const int warp_group = threadIdx.x / 128;
-  const auto pp = tma_pipeline_params<Pipeline>(KT::kTileBytes, KT::kConsumerThreads);
-  Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
-  Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  Pipeline pipe_k(ss.pipe_k, tma_pipeline_params<Pipeline>(KT::kKTileBytes, KT::kConsumerThreads),
+                  Shape<_1, _1, _1>{});
+  Pipeline pipe_v(ss.pipe_v, tma_pipeline_params<Pipeline>(KT::kVTileBytes, KT::kConsumerThreads),
+                  Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
     TxBarrier::init(&ss.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&ss.info_full, KT::kInfoArrivals);
@@ -184,8 +196,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   __syncthreads();
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
 
   if (warp_group == 0) {
     // ---------------- producer: warp 0; lane 0 issues every TMA load ----------------
@@ -204,7 +216,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     const int Sq = static_cast<int>(p.Sq), Skv = static_cast<int>(p.Skv);
     Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, P.batch));
     Tensor mK = P.tma_k.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
-    Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, D, P.kv_heads, P.batch));
+    Tensor mV = P.tma_v.get_tma_tensor(make_shape(Skv, Dv, P.kv_heads, P.batch));
     auto write_k = cutlass::make_producer_start_state<Pipeline>();
     auto write_v = write_k;
     const int n_doc_tiles = *p.doc_total;
@@ -261,7 +273,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         auto& tKg = get<0>(k_part);
         auto& tKs = get<1>(k_part);
         Tensor gV = local_tile(domain_offset(make_coord(dt.kv_lo, _0{}), mV(_, _, it.hk, dt.b)),
-                               Shape<Int<BN>, Int<D>>{}, make_coord(_, _0{}));
+                               Shape<Int<BN>, Int<Dv>>{}, make_coord(_, _0{}));
         auto [tVg, tVs] = tma_partition(P.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
         if (lane == 0) {
           TxBarrier::arrive_and_expect_tx(&ss.q_full, KT::kQBytes);
@@ -329,7 +341,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   typename KT::TiledMmaS mma_s;
   typename KT::TiledMmaO mma_o;
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutVt{});
-  Tensor sO = make_tensor(make_smem_ptr(KT::kSeparateO ? ss.o.data() : ss.q.data()), typename KT::SmemLayoutQ{});
+  Tensor sO = make_tensor(make_smem_ptr(KT::kSeparateO ? ss.o.data() : ss.q.data()), typename KT::SmemLayoutO{});
 
   // Turn-taking between the two consumer warpgroups (named barriers 1 and 2; 3, 4: epilogue).
   auto sched_wait = [&]() { cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1 + wg); };
@@ -350,7 +362,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     Tensor tSrQ = thr_s.partition_fragment_A(sQ);
     Tensor tSrK = thr_s.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
     Tensor tOrV = thr_o.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
-    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<BM>, Int<D>>{});
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<BM>, Int<Dv>>{});
     Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_sm90(acc_o.layout()));
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<BM>, Int<BN>>{});
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol_sm90(acc_s.layout()));
@@ -364,13 +376,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
 
     const int q_rows = ti.rows;
     Element* out_ptr = static_cast<Element*>(p.out) +
-                       (static_cast<int64_t>(ti.b) * p.Sq + ti.q0) * p.q_row + static_cast<int64_t>(ti.h) * D;
+                       (static_cast<int64_t>(ti.b) * p.Sq + ti.q0) * p.o_row + static_cast<int64_t>(ti.h) * Dv;
     float* lse_ptr = p.lse + (static_cast<int64_t>(ti.b) * p.Hq + ti.h) * p.Sq + ti.q0;
     if (empty) {  // no allowed key for any row of this tile: out 0, lse -inf
       mbar_arrive(&ss.q_empty);
-      for (int idx = tidx; idx < q_rows * (D / 8); idx += KT::kConsumerThreads) {
-        const int r = idx / (D / 8), col = (idx % (D / 8)) * 8;
-        *reinterpret_cast<uint4*>(out_ptr + r * p.q_row + col) = make_uint4(0, 0, 0, 0);
+      for (int idx = tidx; idx < q_rows * (Dv / 8); idx += KT::kConsumerThreads) {
+        const int r = idx / (Dv / 8), col = (idx % (Dv / 8)) * 8;
+        *reinterpret_cast<uint4*>(out_ptr + r * p.o_row + col) = make_uint4(0, 0, 0, 0);
       }
       for (int r = tidx; r < q_rows; r += KT::kConsumerThreads) lse_ptr[r] = -INFINITY;
       continue;
@@ -485,10 +497,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     if constexpr (KT::kSeparateO) cutlass::arch::NamedBarrier::sync(128, 3 + wg);
     cute::copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
     cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sO
-    for (int idx = t_wg; idx < 64 * (D / 8); idx += 128) {
-      const int r = wg * 64 + idx / (D / 8), col = (idx % (D / 8)) * 8;
+    for (int idx = t_wg; idx < 64 * (Dv / 8); idx += 128) {
+      const int r = wg * 64 + idx / (Dv / 8), col = (idx % (Dv / 8)) * 8;
       if (r < q_rows)
-        stg_128(out_ptr + r * p.q_row + col, lds_128(&sO(r, col)));
+        stg_128(out_ptr + r * p.o_row + col, lds_128(&sO(r, col)));
     }
     if constexpr (!KT::kSeparateO) mbar_arrive(&ss.q_empty);
   }
@@ -498,7 +510,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
 template <class KT>
 cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t stream) {
   using Element = typename KT::Element;
-  constexpr int D = KT::kD;
+  constexpr int D = KT::kD, Dv = KT::kDv;
   const int hkv = p.Hq / p.group;
   auto g = [&](const void* ptr, int64_t len, int heads) { return tma_global_view<Element, D>(ptr, len, heads, batch); };
   FwdSm90Params<KT> P;
@@ -507,10 +519,10 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
   P.kv_heads = hkv;
   P.tma_q = make_tma_copy(SM90_TMA_LOAD{}, g(p.q, p.Sq, p.Hq), typename KT::SmemLayoutQ{},
                           Shape<Int<KT::kBM>, Int<D>>{}, _1{});
-  P.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g(p.k, p.Skv, hkv), take<0, 2>(typename KT::SmemLayoutKV{}),
+  P.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g(p.k, p.Skv, hkv), take<0, 2>(typename KT::SmemLayoutK{}),
                           Shape<Int<KT::kBN>, Int<D>>{}, _1{});
-  P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, g(p.v, p.Skv, hkv), take<0, 2>(typename KT::SmemLayoutKV{}),
-                          Shape<Int<KT::kBN>, Int<D>>{}, _1{});
+  P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, tma_global_view<Element, Dv>(p.v, p.Skv, hkv, batch),
+                          take<0, 2>(typename KT::SmemLayoutV{}), Shape<Int<KT::kBN>, Int<Dv>>{}, _1{});
   auto kernel = attention_fwd_sm90_kernel<KT>;
   static unsigned smem_done = 0;
   cudaError_t err = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), KT::kSmemBytes, &smem_done);
@@ -524,11 +536,16 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
   return cudaGetLastError();
 }
 
-template <class Element, int D>
-using FwdSm90TraitsFor = FwdSm90Traits<Element, D, fwd_sm90_block_n(D), 2>;
+template <class Element, int D, int Dv = D>
+using FwdSm90TraitsFor = FwdSm90Traits<Element, D, Dv, fwd_sm90_block_n(D, Dv), 2>;
 
 template <class Element>
-cudaError_t dispatch_fwd_sm90(const FwdParams& p, int64_t batch, int64_t d, cudaStream_t stream) {
+cudaError_t dispatch_fwd_sm90(const FwdParams& p, int64_t batch, int64_t d, int64_t dv, cudaStream_t stream) {
+  if (dv != d) {
+    static_assert(sm90_value_head_dim(192, 128));
+    if (d == 192 && dv == 128) return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 192, 128>>(p, batch, stream);
+    return cudaErrorInvalidValue;
+  }
   switch (d) {
     case 64: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 64>>(p, batch, stream);
     case 96: return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 96>>(p, batch, stream);
@@ -578,9 +595,10 @@ bool fwd_use_sm90(const AttentionArgs& a) {
   return sm90_kernels_available();
 }
 
-cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, cudaStream_t stream) {
-  return dtype == DType::kBF16 ? detail::dispatch_fwd_sm90<cutlass::bfloat16_t>(p, batch, d, stream)
-                               : detail::dispatch_fwd_sm90<cutlass::half_t>(p, batch, d, stream);
+cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, int64_t dv,
+                            cudaStream_t stream) {
+  return dtype == DType::kBF16 ? detail::dispatch_fwd_sm90<cutlass::bfloat16_t>(p, batch, d, dv, stream)
+                               : detail::dispatch_fwd_sm90<cutlass::half_t>(p, batch, d, dv, stream);
 }
 
 }  // namespace jaxcp::cuda

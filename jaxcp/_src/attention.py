@@ -50,17 +50,18 @@ def _backward(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, confi
   return cp_lib.cp_bwd(strategy, local, axis, cp_size, *args)
 
 
-# widths: the head dims the forward and the backward kernels run at (_kernel_head_dims). Q, K and
-# V (and O, dO) are padded to them around each kernel call; with a value head dim of its own
-# (MLA) V is padded to the same width as Q and K, and O sliced back to it.
+# widths: ((head dim, value head dim) of the forward kernels, (the same) of the backward's), from
+# _kernel_head_dims. Q and K are padded to the head dim around each kernel call, V (and O, dO) to
+# the value head dim, and the results sliced back.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _kernel_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths):
   return _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths[0])
 
 
 def _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, width):
-  qp, kp, vp = (_pad_head_dim(x, width) for x in (q, k, v))
-  out, lse = _forward(qp, kp, vp, q_seg, q_pos, kv_seg, kv_pos, config)
+  w, wv = width
+  out, lse = _forward(_pad_head_dim(q, w), _pad_head_dim(k, w), _pad_head_dim(v, wv), q_seg, q_pos, kv_seg,
+                      kv_pos, config)
   return _slice_head_dim(out, v.shape[-1]), lse
 
 
@@ -76,7 +77,9 @@ def _kernel_attention_bwd(config, widths, residuals, cotangents):
   q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse = residuals
   dout, dlse = cotangents
   # O's padded columns are zeros (those of V are), so O re-padded is the kernel's O.
-  qp, kp, vp, outp, doutp = (_pad_head_dim(x, widths[1]) for x in (q, k, v, out, dout.astype(out.dtype)))
+  w, wv = widths[1]
+  qp, kp = (_pad_head_dim(x, w) for x in (q, k))
+  vp, outp, doutp = (_pad_head_dim(x, wv) for x in (v, out, dout.astype(out.dtype)))
   dq, dk, dv = _backward(qp, kp, vp, outp, lse, doutp, dlse.astype(jnp.float32), q_seg, q_pos, kv_seg, kv_pos,
                          config)
   dq, dk, dv = (_slice_head_dim(g, x.shape[-1]) for g, x in ((dq, q), (dk, k), (dv, v)))
@@ -86,12 +89,13 @@ def _kernel_attention_bwd(config, widths, residuals, cotangents):
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
-def _kernel_head_dims(impl, d, spec, scale, deterministic):
-  """(forward, backward) head dims the kernels run a head dim of d at: d itself on the CPU; on
-  CUDA the next the kernels have tiles for on this device (sm_90a: 96 and 192 too)."""
+def _kernel_head_dims(impl, d, dv, spec, scale, deterministic):
+  """((head dim, value head dim) of the forward kernels, (the same) of the backward's) for head
+  dims d and dv: themselves on the CPU; on CUDA the next the kernels have tiles for on this device
+  (registry.cuda_kernel_head_dims)."""
   if impl != "cuda":
-    return d, d
-  return tuple(registry.cuda_kernel_head_dim(direction, d, spec.window_left, scale, deterministic)
+    return (d, dv), (d, dv)
+  return tuple(registry.cuda_kernel_head_dims(direction, d, dv, spec.window_left, scale, deterministic)
                for direction in ("fwd", "bwd"))
 
 
@@ -189,6 +193,6 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   else:
     registry.ensure_registered()
     config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis)
-    widths = _kernel_head_dims(impl, max(d, dv), spec, float(scale), deterministic)
+    widths = _kernel_head_dims(impl, d, dv, spec, float(scale), deterministic)
     out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config, widths)
   return (out, lse) if return_residual else out

@@ -42,7 +42,7 @@ class AttentionConfig:
 
 def _fwd_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, config):
   b, sq, hq, _ = q.shape
-  return (compat.derived_aval(q, q.shape, q.dtype, (0, 1, 2, 3)),
+  return (compat.derived_aval(q, (b, sq, hq, v.shape[3]), q.dtype, (0, 1, 2, 3)),
           compat.derived_aval(q, (b, hq, sq), jnp.float32, (0, 2, 1)))
 
 

@@ -154,7 +154,7 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
 
 
 def _fwd_rule(config, mesh, value_types, result_types):
-  return "b s h d, b t g d, b t g d, b s, b s, b t, b t -> b s h d, b h s"
+  return "b s h d, b t g d, b t g e, b s, b s, b t, b t -> b s h e, b h s"  # e: V's head dim
 
 
 # ---------------------------------------------------------------- backward
@@ -196,8 +196,8 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
 
 
 def _bwd_rule(config, mesh, value_types, result_types):
-  return ("b s h d, b t g d, b t g d, b s h d, b h s, b s h d, b h s, b s, b s, b t, b t"
-          " -> b s h d, b t g d, b t g d")
+  return ("b s h d, b t g d, b t g e, b s h e, b h s, b s h e, b h s, b s, b s, b t, b t"
+          " -> b s h d, b t g d, b t g e")
 
 
 # ---------------------------------------------------------------- wiring

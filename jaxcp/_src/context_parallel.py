@@ -77,8 +77,8 @@ def ring_fwd(local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """cp steps; step i attends to the K/V block that started i ranks back. The next block's
   collective-permute is issued before this step's kernel so the two overlap."""
   perm = _ring_perm(cp_size)
-  b, sq, hq, d = q.shape
-  out = jnp.zeros((b, sq, hq, d), jnp.float32)
+  b, sq, hq, _ = q.shape
+  out = jnp.zeros((b, sq, hq, v.shape[3]), jnp.float32)
   lse = jnp.full((b, hq, sq), -jnp.inf, jnp.float32)
   block = (k, v, kv_seg, kv_pos)
   for step in range(cp_size):

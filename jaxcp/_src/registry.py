@@ -75,15 +75,22 @@ def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, determini
   return int(module.attention_bwd_workspace_bytes(*common, deterministic))
 
 
-# The CUDA kernels' head dims (64, 128, 256; on sm_90a also 96 and 192: attention_head_dim_supported
-# says which run where). Others are zero-padded to the next.
+# The CUDA kernels' head dims (64, 128, 256; on sm_90a also 96 and 192, and the sm_90a forward a
+# value head dim of 128 next to 192: attention_head_dim_supported says which run where). Others
+# are zero-padded to the next.
 CUDA_KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
-def cuda_kernel_head_dim(direction: str, d: int, window_left: int, scale: float, deterministic: bool) -> int:
-  """The head dim the CUDA attention kernels of `direction` ("fwd" / "bwd") run for a head dim
-  of d on the current device: the smallest they support that is at least d (d <= 256). Not
-  cached: the development switches JAXCP_DISABLE_SM90 / JAXCP_FORCE_SM90 are read at each call."""
+def cuda_kernel_head_dims(direction: str, d: int, dv: int, window_left: int, scale: float,
+                          deterministic: bool) -> tuple[int, int]:
+  """(head dim, value head dim) the CUDA attention kernels of `direction` ("fwd" / "bwd") run for
+  head dims d and dv on the current device: w, the smallest width they support that is at least
+  both (<= 256), and for V the smallest width from dv up that they run next to w (w itself but
+  for multi-head latent attention's 192 / 128 in the sm_90a forward). Not cached: the development
+  switches JAXCP_DISABLE_SM90 / JAXCP_FORCE_SM90 are read at each call."""
   module = _load("CUDA")
-  runs = lambda w: module.attention_head_dim_supported(direction == "fwd", w, window_left, scale, deterministic)
-  return next(w for w in CUDA_KERNEL_HEAD_DIMS if w >= d and runs(w))
+  runs = lambda w, wv: module.attention_head_dim_supported(direction == "fwd", w, wv, window_left, scale,
+                                                           deterministic)
+  w = next(w for w in CUDA_KERNEL_HEAD_DIMS if w >= max(d, dv) and runs(w, w))
+  wv = next(wv for wv in CUDA_KERNEL_HEAD_DIMS if dv <= wv <= w and (wv == w or runs(w, wv)))
+  return w, wv
