@@ -69,7 +69,8 @@ struct FwdSm90Traits {
 
   // O is staged on its way to global memory in a buffer of its own where shared memory allows
   // (D <= 192: 192 KB of tiles at most), so the next tile's Q can land during this tile's
-  // epilogue; with D 256 it goes through sQ (Dv <= D) and the next Q waits for the epilogue.
+  // epilogue; with D 256, and q/k 192 with v 128 on 128-key tiles, it goes through sQ (Dv <= D) and
+  // the next Q waits for the epilogue.
   static constexpr bool kSeparateO =
       (kBM * (kD + kDv) + kStages * kBN * (kD + kDv)) * int(sizeof(Element)) <= 192 * 1024;
   static_assert(kDv <= kD, "O through sQ");
