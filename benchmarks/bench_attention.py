@@ -59,7 +59,7 @@ GPU_CASES = [
 
 # Head dims beyond 64 / 128 / 256, with `--extra`: 96 and 192 (the sm_90a kernels' own tiles; padded
 # to 128 / 256 elsewhere) and multi-head latent attention's q/k 192 with v 128 (V native in the
-# sm_90a forward, padded to 192 in the backward). Their own table (attention_extra.*), outside the
+# sm_90a kernels). Their own table (attention_extra.*), outside the
 # main cases' geometric means. FLOPs count the true head dims, so padding shows as lost throughput.
 EXTRA_CASES = [
     Case("2x8k doc1k D96", 2, 8192, 1024, head_dim=96, xla=True),

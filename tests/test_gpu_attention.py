@@ -239,7 +239,7 @@ def test_head_dims_between_tile_widths(head_dim):
 
 
 # (head dim, value head dim) the sm_90a kernels run as they are beyond 64 / 128 / 256: 96, 192, and
-# multi-head latent attention's q/k 192 with v 128 (forward; the backward pads V to 192).
+# multi-head latent attention's q/k 192 with v 128 (the deterministic backward pads them).
 NATIVE_DIMS = {"d96": (96, 96), "d192": (192, 192), "qk192_v128": (192, 128)}
 
 
@@ -256,11 +256,12 @@ def test_native_head_dims(mask, dims, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa4", "mqa"])
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa4", "mqa", "mha"])
 @pytest.mark.parametrize("dims", [(96, 96), (192, 128)], ids=["d96", "qk192_v128"])
 def test_native_head_dim_dtypes_gqa_cross(dtype, heads, dims):
-  """D 96 and q/k 192 with v 128 on the sm_90a kernels: float16, GQA / MQA, cross attention
-  (Sq != Skv), documents of length 1 and a row of padding only."""
+  """D 96 and q/k 192 with v 128 on the sm_90a kernels: float16, GQA / MQA / MHA, cross attention
+  (Sq != Skv), documents of length 1 and a row of padding only. The backward of these few key
+  tiles splits GQA / MQA groups (float32 partial dK / dV); MHA stores dK / dV by TMA."""
   hq, hkv = heads
   seg_q = np.ones((2, 300), np.int32)
   seg_q[0, 100:] = 2
@@ -320,12 +321,13 @@ def _mla_pads(backward, **kw):
   return "stablehlo.pad" in jax.jit(jax.grad(f, argnums=(0, 1, 2)) if backward else f).lower(q, k, v).as_text()
 
 
-@pytest.mark.skipif(not _on_hopper(), reason="V's own head dim is the sm_90a forward's")
-def test_mla_value_runs_unpadded_forward_on_hopper(monkeypatch):
-  """On Hopper the forward of q/k 192, v 128 takes V as it is (nothing padded); the backward pads V
-  to 192, and so do a short window (the sm_80 forward) and JAXCP_DISABLE_SM90."""
+@pytest.mark.skipif(not _on_hopper(), reason="V's own head dim is the sm_90a kernels'")
+def test_mla_value_runs_unpadded_on_hopper(monkeypatch):
+  """On Hopper q/k 192, v 128 takes V as it is (nothing padded), forward and backward; the
+  deterministic backward, a short window (the sm_80 forward) and JAXCP_DISABLE_SM90 pad."""
   assert not _mla_pads(False, is_causal=True)
-  assert _mla_pads(True, is_causal=True)
+  assert not _mla_pads(True, is_causal=True)
+  assert _mla_pads(True, is_causal=True, deterministic=True)
   assert _mla_pads(False, local_window_size=(64, 0))
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   assert _mla_pads(False, is_causal=True)

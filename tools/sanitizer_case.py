@@ -13,7 +13,7 @@ import jaxcp  # noqa: E402
 
 seg = np.repeat(np.arange(1, 6, dtype=np.int32), [1, 70, 33, 100, 46])[None].repeat(2, 0)
 seg[1, 200:] = 0
-# 96, 192: sm_90a's own tiles; 192:128, multi-head latent attention's (V 128 in the sm_90a forward).
+# 96, 192: sm_90a's own tiles; 192:128, multi-head latent attention's (V 128 in the sm_90a kernels).
 dims = [tuple(int(x) for x in (a + ":" + a.split(":")[0]).split(":")[:2])
         for a in sys.argv[1:] or ("64", "96", "128", "192", "256", "192:128")]
 # 4 query heads on 2 kv heads: the sm_90a backward splits the groups (float32 partial dK / dV);

@@ -18,12 +18,12 @@ struct BwdParams {
   float* dq_accum;  // float32, unscaled (atomic dQ mode): [B, Sq, Hq, D], or per query tile (sm_90a)
   void* dq;         // [B, Sq, Hq, D] (dQ kernel output)
   void* dk;         // [B, Skv, Hkv, D] (when splits == 1)
-  void* dv;
+  void* dv;         // [B, Skv, Hkv, Dv]: Dv = D but in the sm_90a kernel (sm90_value_head_dim)
   float* dk_part;  // [splits, B, Skv, Hkv, D] float32 (when splits > 1)
-  float* dv_part;
+  float* dv_part;  // [splits, B, Skv, Hkv, Dv]
   int64_t B, Sq, Skv;
   int Hq, Hkv, group, splits;
-  int64_t q_row, kv_row;
+  int64_t q_row, kv_row, v_row;  // elements per token: Hq * D, Hkv * D, Hkv * Dv
   float scale, scale_log2;
   MaskParams mask;
   // dK/dV kernel plan: query tiles of kBwdBlockM (sm_90a: bwd_sm90_block_m(D)), key tiles of
@@ -127,11 +127,11 @@ cudaError_t launch_bwd_dq(const BwdParams& p, cudaStream_t stream);
 
 namespace jaxcp::cuda {
 // attention_bwd_sm90_kernels.cu: whether the sm_90a dK/dV kernel runs these arguments (the
-// device is sm_90 with this build's sm_90a image, a head dim it has: 64, 128 or 256; when
-// deterministic, rows not too long for their heads), and its launcher (dK, dV, and dQ through
-// p.dq_accum, converted into p.dq).
+// device is sm_90 with this build's sm_90a image, a head dim it has: sm90_head_dim; when
+// deterministic, rows not too long for their heads), and its launcher for head dim d and value
+// head dim dv (dK, dV, and dQ through p.dq_accum, converted into p.dq).
 bool bwd_use_sm90(const AttentionArgs& args);
-cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, cudaStream_t stream);
+cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, int64_t dv, cudaStream_t stream);
 }  // namespace jaxcp::cuda
 
 namespace jaxcp::cuda::detail {

@@ -9,7 +9,7 @@ namespace detail {
 namespace {
 
 // The backward's pre-pass, one launch, bandwidth-bound: for each row (b, h, i) of delta,
-//   delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32): the lse
+//   delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32, d < Dv): the lse
 //     cotangent folds into delta since d lse / d s_ij = p_ij;
 //   with dq_accum, zeros D floats of the float32 dQ accumulator (rows * D floats in all, whatever
 //     its layout), instead of a memset of its own;
@@ -18,12 +18,12 @@ namespace {
 //   with q_ids (sm_90a, blocks of h = 0), q_ids[b, i] = (segment, position) of query i, zeros past
 //     Sq: rows of sq_pad, so that the sm_90a producer loads a query tile's with one bulk copy.
 // Rows of delta are `stride` long (Sq, or sq_pad for the sm_90a kernel); each block holds rows of
-// one (b, h), D/8 threads per row rounded up to a power of two (the shuffle tree; D 96: 16, of
-// which 12 load). Lane 0 issues its small loads before the row's, so that every
-// thread has one round trip to memory.
-constexpr int bwd_prep_threads_per_row(int d) {
+// one (b, h), max(D, Dv)/8 threads per row rounded up to a power of two (the shuffle tree; D 96:
+// 16, of which 12 load and zero; q/k 192 with v 128: 32, of which 16 load and 24 zero). Lane 0
+// issues its small loads before the row's, so that every thread has one round trip to memory.
+constexpr int bwd_prep_threads_per_row(int d, int dv) {
   int t = 1;
-  while (t < d / 8) t *= 2;
+  while (t < d / 8 || t < dv / 8) t *= 2;
   return t;
 }
 
@@ -42,28 +42,28 @@ struct BwdPrepArgs {
   int Hq, blocks_per_bh;
 };
 
-template <class Element, int D>
+template <class Element, int D, int Dv>
 __global__ void __launch_bounds__(256) bwd_prep_kernel(const BwdPrepArgs a) {
-  constexpr int kTpr = bwd_prep_threads_per_row(D);
+  constexpr int kTpr = bwd_prep_threads_per_row(D, Dv);
   constexpr int kRows = 256 / kTpr;
   const int bh = static_cast<int>(blockIdx.x) / a.blocks_per_bh;
   const int b = bh / a.Hq, h = bh % a.Hq;
   const int64_t i = static_cast<int64_t>(static_cast<int>(blockIdx.x) % a.blocks_per_bh) * kRows +
                     static_cast<int>(threadIdx.x) / kTpr;
   const int lane = static_cast<int>(threadIdx.x) % kTpr;
-  const bool in = i < a.stride && lane < D / 8, real = i < a.Sq && lane < D / 8;
+  const bool row_in = i < a.stride, row_real = i < a.Sq;
   const int64_t row = static_cast<int64_t>(bh) * a.stride + i;
   const int64_t o = static_cast<int64_t>(bh) * a.Sq + i;  // [B, Hq, Sq]
   float row_lse = 0.f, row_dlse = 0.f;
   ColMask id{0, 0};
-  if (real && lane == 0) {
+  if (row_real && lane == 0) {
     if (a.lse2) row_lse = a.lse[o];
     if (a.dlse) row_dlse = a.dlse[o];
     if (a.q_ids && h == 0) id = ColMask{a.q_seg[b * a.Sq + i], a.q_pos[b * a.Sq + i]};
   }
   float acc = 0.f;
-  if (real) {
-    const int64_t at = ((b * a.Sq + i) * a.Hq + h) * D;
+  if (row_real && lane < Dv / 8) {
+    const int64_t at = ((b * a.Sq + i) * a.Hq + h) * Dv;
     const uint4 x = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.out) + at)[lane];
     const uint4 g = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.dout) + at)[lane];
     const Element* ex = reinterpret_cast<const Element*>(&x);
@@ -71,16 +71,16 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel(const BwdPrepArgs a) {
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) acc += static_cast<float>(ex[e]) * static_cast<float>(eg[e]);
   }
-  if (in && a.dq_accum) {
+  if (row_in && lane < D / 8 && a.dq_accum) {
     float4* zero = reinterpret_cast<float4*>(a.dq_accum + row * D) + 2 * lane;
     zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   CUTE_UNROLL
   for (int s = kTpr / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (in && lane == 0) {  // lane 0 < D / 8: `in` is the row's
-    a.delta[row] = real ? acc - row_dlse : 0.f;
-    if (a.lse2) a.lse2[row] = real ? lse_log2(row_lse) : INFINITY;
+  if (row_in && lane == 0) {
+    a.delta[row] = row_real ? acc - row_dlse : 0.f;
+    if (a.lse2) a.lse2[row] = row_real ? lse_log2(row_lse) : INFINITY;
     if (a.q_ids && h == 0) a.q_ids[b * a.stride + i] = id;
   }
 }
@@ -123,29 +123,28 @@ __global__ void __launch_bounds__(256) scale_convert_kernel(const float* __restr
   }
 }
 
-// dst[i] = Element(sum_s part[s][i]) for dK and dV, fixed summation order (deterministic).
+// dst[i] = Element(sum_s part[s][i]) for dK (n4 float4s per split) and dV (n4v: fewer where V is
+// narrower), fixed summation order (deterministic).
 template <class Element>
 __global__ void __launch_bounds__(256) split_reduce_kernel(const float* __restrict__ dk_part,
                                                            const float* __restrict__ dv_part,
                                                            Element* __restrict__ dk,
-                                                           Element* __restrict__ dv, int64_t n4,
+                                                           Element* __restrict__ dv, int64_t n4, int64_t n4v,
                                                            int splits) {
-  const int64_t stride = n4 * 4;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < n4;
-       i += static_cast<int64_t>(gridDim.x) * 256) {
-    float4 k = reinterpret_cast<const float4*>(dk_part)[i];
-    float4 v = reinterpret_cast<const float4*>(dv_part)[i];
+  auto reduce = [splits](const float* part, int64_t stride, int64_t i) {
+    float4 x = reinterpret_cast<const float4*>(part)[i];
     for (int s = 1; s < splits; ++s) {
-      const float4 k2 = reinterpret_cast<const float4*>(dk_part + s * stride)[i];
-      const float4 v2 = reinterpret_cast<const float4*>(dv_part + s * stride)[i];
-      k.x += k2.x; k.y += k2.y; k.z += k2.z; k.w += k2.w;
-      v.x += v2.x; v.y += v2.y; v.z += v2.z; v.w += v2.w;
+      const float4 y = reinterpret_cast<const float4*>(part + s * stride)[i];
+      x.x += y.x; x.y += y.y; x.z += y.z; x.w += y.w;
     }
-    cutlass::Array<Element, 4> ok, ov;
-    ok[0] = Element(k.x); ok[1] = Element(k.y); ok[2] = Element(k.z); ok[3] = Element(k.w);
-    ov[0] = Element(v.x); ov[1] = Element(v.y); ov[2] = Element(v.z); ov[3] = Element(v.w);
-    reinterpret_cast<cutlass::Array<Element, 4>*>(dk)[i] = ok;
-    reinterpret_cast<cutlass::Array<Element, 4>*>(dv)[i] = ov;
+    cutlass::Array<Element, 4> o;
+    o[0] = Element(x.x); o[1] = Element(x.y); o[2] = Element(x.z); o[3] = Element(x.w);
+    return o;
+  };
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < (n4 > n4v ? n4 : n4v);
+       i += static_cast<int64_t>(gridDim.x) * 256) {
+    if (i < n4) reinterpret_cast<cutlass::Array<Element, 4>*>(dk)[i] = reduce(dk_part, n4 * 4, i);
+    if (i < n4v) reinterpret_cast<cutlass::Array<Element, 4>*>(dv)[i] = reduce(dv_part, n4v * 4, i);
   }
 }
 
@@ -232,15 +231,15 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
     }
   }
   if (r.splits > 1) {
-    const size_t part = sizeof(float) * r.splits * s.batch * s.kv_len * s.kv_heads * s.head_dim;
-    r.dk_part = w.take(part);
-    r.dv_part = w.take(part);
+    const size_t part = sizeof(float) * r.splits * s.batch * s.kv_len * s.kv_heads;
+    r.dk_part = w.take(part * s.head_dim);
+    r.dv_part = w.take(part * s.v_dim());
   }
   r.bytes = w.bytes;
   return r;
 }
 
-template <class Element, int D>
+template <class Element, int D, int Dv = D>
 cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, const void* out,
                     const float* dlse, void* dq, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
@@ -249,14 +248,14 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
   // q_ids: one pass
   {
     const int64_t stride = plan.sm90 ? plan.sq_pad : s.q_len;
-    constexpr int kRowsPerBlock = 256 / bwd_prep_threads_per_row(D);
+    constexpr int kRowsPerBlock = 256 / bwd_prep_threads_per_row(D, Dv);
     BwdPrepArgs prep{out, p.dout, dlse, p.lse, plan.sm90 ? const_cast<float*>(p.lse2) : nullptr,
                      const_cast<float*>(p.delta), plan.sm80_dq ? nullptr : p.dq_accum, p.q_seg, p.q_pos,
                      plan.sm90 ? const_cast<ColMask*>(p.q_ids) : nullptr, s.q_len, stride, p.Hq,
                      static_cast<int>(ceil_div64(stride, kRowsPerBlock))};
     const int64_t blocks = s.batch * s.q_heads * prep.blocks_per_bh;
     if (blocks > INT_MAX) return cudaErrorInvalidValue;
-    bwd_prep_kernel<Element, D><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(prep);
+    bwd_prep_kernel<Element, D, Dv><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(prep);
     if ((err = cudaGetLastError())) return err;
   }
   const int64_t q_elems = s.batch * s.q_len * s.q_heads * s.head_dim;
@@ -267,19 +266,20 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
                                                    const_cast<int*>(p.dq_ticket));
     if ((err = cudaGetLastError())) return err;
   }
-  if constexpr (!sm80_head_dim(D)) {  // sm_90a only (attention_bwd_head_dim_supported)
+  if constexpr (!sm80_head_dim(D) || Dv != D) {  // sm_90a only (attention_bwd_head_dim_supported)
     if (!plan.sm90) return cudaErrorInvalidValue;
   }
   if (p.nkv > 0) {
     if (plan.sm90) {
-      err = launch_bwd_sm90(p, std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBF16 : DType::kF16, D, stream);
-    } else if constexpr (sm80_head_dim(D)) {
+      err = launch_bwd_sm90(p, std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBF16 : DType::kF16, D, Dv,
+                            stream);
+    } else if constexpr (sm80_head_dim(D) && Dv == D) {
       err = launch_bwd_dkdv<Element, D>(p, !plan.sm80_dq, stream);
     }
     if (err) return err;
   }
   if (plan.sm80_dq) {
-    if constexpr (sm80_head_dim(D)) {
+    if constexpr (sm80_head_dim(D) && Dv == D) {
       if ((err = launch_bwd_dq<Element, D>(p, stream))) return err;
     }
   } else if (!plan.sm90) {  // the sm_90a launcher converts its own dQ layout
@@ -288,9 +288,9 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
     if ((err = cudaGetLastError())) return err;
   }
   if (plan.splits > 1) {
-    const int64_t n4 = s.batch * s.kv_len * s.kv_heads * s.head_dim / 4;
-    split_reduce_kernel<Element><<<grid_for(n4, 256), 256, 0, stream>>>(
-        p.dk_part, p.dv_part, static_cast<Element*>(p.dk), static_cast<Element*>(p.dv), n4, plan.splits);
+    const int64_t n4 = s.batch * s.kv_len * s.kv_heads * D / 4, n4v = s.batch * s.kv_len * s.kv_heads * Dv / 4;
+    split_reduce_kernel<Element><<<grid_for(n4 > n4v ? n4 : n4v, 256), 256, 0, stream>>>(
+        p.dk_part, p.dv_part, static_cast<Element*>(p.dk), static_cast<Element*>(p.dv), n4, n4v, plan.splits);
     if ((err = cudaGetLastError())) return err;
   }
   return cudaSuccess;
@@ -299,6 +299,12 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
 template <class Element>
 cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdParams& p,
                          const void* out, const float* dlse, void* dq, cudaStream_t stream) {
+  if (a.shape.v_dim() != a.shape.head_dim) {
+    static_assert(sm90_value_head_dim(192, 128));
+    if (sm90_value_head_dim(a.shape.head_dim, a.shape.v_dim()))
+      return run_bwd<Element, 192, 128>(a, plan, p, out, dlse, dq, stream);
+    return cudaErrorInvalidValue;
+  }
   switch (a.shape.head_dim) {
     case 64: return run_bwd<Element, 64>(a, plan, p, out, dlse, dq, stream);
     case 96: return run_bwd<Element, 96>(a, plan, p, out, dlse, dq, stream);
@@ -314,9 +320,12 @@ cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdP
 size_t attention_bwd_workspace_bytes(const AttentionArgs& a) { return detail::bwd_plan(a).bytes; }
 
 bool attention_bwd_head_dim_supported(const AttentionArgs& a) {
-  const int64_t d = a.shape.head_dim;
-  if (a.shape.v_dim() != d) return false;  // the backward pads V to the head dim
-  return sm80_head_dim(d) || (sm90_head_dim(d) && !a.deterministic && bwd_use_sm90(a));
+  const int64_t d = a.shape.head_dim, dv = a.shape.v_dim();
+  // The deterministic D 96 / 192 backward may take the sm_80 kernels (bwd_use_sm90), which have
+  // neither tile: always padded, so that the widths do not hang on the row length.
+  const bool sm90_only = !a.deterministic && bwd_use_sm90(a);
+  if (dv != d) return sm90_value_head_dim(d, dv) && sm90_only;
+  return sm80_head_dim(d) || (sm90_head_dim(d) && sm90_only);
 }
 
 cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, const void* k,
@@ -331,13 +340,14 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
     return cudaErrorInvalidValue;
   const size_t elem = 2;
   const size_t q_bytes = elem * s.batch * s.q_len * s.q_heads * s.head_dim;
-  const size_t kv_bytes = elem * s.batch * s.kv_len * s.kv_heads * s.head_dim;
+  const size_t k_bytes = elem * s.batch * s.kv_len * s.kv_heads * s.head_dim;
+  const size_t v_bytes = elem * s.batch * s.kv_len * s.kv_heads * s.v_dim();
   if (s.batch == 0 || s.q_heads == 0) return cudaSuccess;
   if (s.q_len == 0 || s.kv_len == 0) {  // nothing interacts: all gradients are zero
     cudaError_t err;
     if (q_bytes && (err = cudaMemsetAsync(dq, 0, q_bytes, stream))) return err;
-    if (kv_bytes && (err = cudaMemsetAsync(dk, 0, kv_bytes, stream))) return err;
-    if (kv_bytes && (err = cudaMemsetAsync(dv, 0, kv_bytes, stream))) return err;
+    if (k_bytes && (err = cudaMemsetAsync(dk, 0, k_bytes, stream))) return err;
+    if (v_bytes && (err = cudaMemsetAsync(dv, 0, v_bytes, stream))) return err;
     return cudaSuccess;
   }
   const detail::BwdPlan plan = detail::bwd_plan(a);
@@ -369,6 +379,7 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.head_chunk = plan.head_chunk;
   p.q_row = s.q_heads * s.head_dim;
   p.kv_row = s.kv_heads * s.head_dim;
+  p.v_row = s.kv_heads * s.v_dim();
   p.scale = a.scale;
   p.scale_log2 = a.scale * kLog2e;
   p.mask = a.mask;

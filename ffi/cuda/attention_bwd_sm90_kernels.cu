@@ -28,6 +28,8 @@
 // deterministic backward orders its dQ adds the same way). dK and dV need no turns: one block
 // writes each key tile's (split GQA groups' partial sums are reduced in a fixed order).
 //
+// Multi-head latent attention (q/k 192, v 128: KT::kDv) runs V, dO, dP^T = V dO^T and dV at the
+// value head dim, Q, K, S^T, dK and dQ at the head dim.
 // D 192 and 256 (BwdSm90SplitDTraits, kSplitD) keep the producer and the masks but not the
 // register budget of 128 keys x D for both dK and dV: their key tiles are 64 keys, the warpgroups
 // split the queries of S^T / dP^T and the head dim of dK / dV / dQ, so P^T and dS^T go through shared
@@ -115,8 +117,8 @@ __forceinline__ __device__ void store_fragment_pairs(TD&& dst, TS const& src) {
     *reinterpret_cast<uint32_t*>(&dst(2 * e)) = reinterpret_cast<const uint32_t*>(src.data())[e];
 }
 
-// The TMA partitions (global, shared) of block w's key tile of a [B, Skv, Hkv, D] tensor: K or V
-// to load, dK or dV to store.
+// The TMA partitions (global, shared) of block w's key tile of a [B, Skv, Hkv, D] tensor (D: the
+// head dim or, for V and dV, the value head dim): K or V to load, dK or dV to store.
 template <int BN, int D, class Tma, class SmemTensor>
 __forceinline__ __device__ auto key_tile_tma(const Tma& tma, const BwdParams& p, const BwdBlock& w, SmemTensor& s) {
   Tensor m = tma.get_tma_tensor(make_shape(static_cast<int>(p.Skv), D, p.Hkv, static_cast<int>(p.B)));
@@ -124,12 +126,35 @@ __forceinline__ __device__ auto key_tile_tma(const Tma& tma, const BwdParams& p,
   return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
 }
 
+// Block w's key tile (BN keys x W) of a dK or dV accumulator, times scale, as float32 into its
+// split's partial sums [B, Skv, Hkv, W] (rows of `row` floats); keys past Skv are left out.
+template <int BN, int W, class TiledMma, class Acc>
+__forceinline__ __device__ void store_key_tile_part(const TiledMma& mma, int tidx, const Acc& acc, float* part,
+                                                    int64_t row, const BwdParams& p, const BwdBlock& w, float scale) {
+  Tensor tc = mma.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<BN>, Int<W>>{}));
+  Tensor tc_rc = make_tensor(tc.data(), acc_rowcol_sm90(tc.layout()));
+  Tensor acc_rc = make_tensor(acc.data(), acc_rowcol_sm90(acc.layout()));
+  float* out = part + (static_cast<int64_t>(w.b) * p.Skv + w.k0) * row + static_cast<int64_t>(w.hk) * W;
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
+    const int r = get<0>(tc_rc(mi, 0));
+    if (r >= w.kv_rows) continue;
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(acc_rc); ni += 2)
+      *reinterpret_cast<float2*>(out + r * row + get<1>(tc_rc(mi, ni))) =
+          make_float2(acc_rc(mi, ni) * scale, acc_rc(mi, ni + 1) * scale);
+  }
+}
+
 template <class KT>
 struct BwdSm90Params {
   BwdParams p;
-  typename KT::TmaQ tma_q, tma_do;
-  typename KT::TmaKV tma_k, tma_v;
-  typename KT::TmaStoreKV tma_dk, tma_dv;  // when p.splits == 1
+  typename KT::TmaQ tma_q;
+  typename KT::TmadO tma_do;
+  typename KT::TmaK tma_k;
+  typename KT::TmaV tma_v;
+  typename KT::TmaStoreK tma_dk;  // when p.splits == 1
+  typename KT::TmaStoreV tma_dv;
 };
 
 template <class KT>
@@ -137,7 +162,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     attention_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params<KT> P) {
 #if JAXCP_SM90_DEVICE
   using Element = typename KT::Element;
-  constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD;
+  constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
   using SharedStorage = typename KT::SharedStorage;
   using PipelineQ = typename KT::PipelineQ;
   using PipelineDO = typename KT::PipelineDO;
@@ -173,8 +198,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdO{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
 
   if (warp_group == 0) {
     // 24 x 128 + 240 x 256 = the 168 x 384 registers the block launched with: the consumers'
@@ -217,10 +242,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     if (threadIdx.x != 0) return;
     const int Sq = static_cast<int>(p.Sq), B = static_cast<int>(p.B);
     Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
-    Tensor mdO = P.tma_do.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
+    Tensor mdO = P.tma_do.get_tma_tensor(make_shape(Sq, Dv, p.Hq, B));
     {
       auto [tKg, tKs] = key_tile_tma<BN, D>(P.tma_k, p, w, sK);
-      auto [tVg, tVs] = key_tile_tma<BN, D>(P.tma_v, p, w, sV);
+      auto [tVg, tVs] = key_tile_tma<BN, Dv>(P.tma_v, p, w, sV);
       TxBarrier::arrive_and_expect_tx(&ss.kv_full, KT::kKVBytes);
       copy(P.tma_k.with(ss.kv_full, 0), tKg, tKs);
       copy(P.tma_v.with(ss.kv_full, 0), tVg, tVs);
@@ -239,7 +264,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       const int st = write_q.index(), st_do = write_do.index();
       const int64_t rows = (static_cast<int64_t>(w.b) * p.Hq + h) * p.sq_pad + static_cast<int64_t>(i) * BM;
       Tensor gQ = local_tile(mQ(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
-      Tensor gdO = local_tile(mdO(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, h, w.b), Shape<Int<BM>, Int<Dv>>{}, make_coord(i, _0{}));
       auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, st)), group_modes<0, 2>(gQ));
       auto [tdOg, tdOs] = tma_partition(P.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO(_, _, st_do)), group_modes<0, 2>(gdO));
       // The step after this one, found before the waits for the stages: its tile-summary loads
@@ -274,10 +299,11 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int tidx = threadIdx.x - 128, wg = tidx / 128, t_wg = tidx % 128;
   typename KT::TiledMmaSdP mma_sdp;
-  typename KT::TiledMmadKV mma_dkv;
+  typename KT::TiledMmadK mma_dk;
+  typename KT::TiledMmadV mma_dv;
   typename KT::TiledMmadQ mma_dq;
-  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
-  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<BN>, Int<D>>{});
+  Tensor acc_dk = partition_fragment_C(mma_dk, Shape<Int<BN>, Int<D>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dv, Shape<Int<BN>, Int<Dv>>{});
   Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
   Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
   Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol_sm90(acc_s.layout()));
@@ -319,7 +345,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       // from opaque_thread_index: built once, they were held across the loop, and spilled.
       const int tix = opaque_thread_index() - 128;
       auto thr_sdp = mma_sdp.get_thread_slice(tix);
-      auto thr_dkv = mma_dkv.get_thread_slice(tix);
+      auto thr_dk = mma_dk.get_thread_slice(tix);
+      auto thr_dv = mma_dv.get_thread_slice(tix);
       auto thr_dq = mma_dq.get_thread_slice(tix);
       Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQt{});
       Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdOt{});
@@ -331,8 +358,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stages)
       Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
       Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stages)
-      Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
-      Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+      Tensor tdVrdO = thr_dv.partition_fragment_B(sdOt);
+      Tensor tdKrQ = thr_dk.partition_fragment_B(sQt);
       Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, buffers)
       Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
       // Stores of dS through the swizzle applied to offsets from a shared-memory pointer (a
@@ -394,14 +421,14 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       convert_into(rP, acc_s);
       if constexpr (!KT::kSplitD) {
         Tensor tdVrP = make_tensor(rP.data(), acc_as_A_sm90(rP.layout()));
-        wgmma_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st_do), acc_dv);
+        wgmma_issue<false>(mma_dv, tdVrP, tdVrdO(_, _, _, st_do), acc_dv);
       } else {
         // P^T of both warpgroups' queries -> shared memory.
         Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename KT::SmemLayoutdSt{});
         store_fragment_pairs(thr_sdp.partition_C(as_position_independent_swizzle_tensor(sPt))(_, _, _, ds_stage), rP);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarP);
-        wgmma_issue<false>(mma_dkv, thr_dkv.partition_fragment_A(sPt)(_, _, _, ds_stage), tdVrdO(_, _, _, st_do), acc_dv);
+        wgmma_issue<false>(mma_dv, thr_dv.partition_fragment_A(sPt)(_, _, _, ds_stage), tdVrdO(_, _, _, st_do), acc_dv);
       }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_dp);
@@ -417,14 +444,14 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // the dQ stores.
         Tensor tdKrdS = make_tensor(rdS.data(), acc_as_A_sm90(rdS.layout()));
         constexpr int kHalfK = decltype(size<2>(tdKrdS))::value / 2;
-        wgmma_issue<false, 0, kHalfK>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+        wgmma_issue<false, 0, kHalfK>(mma_dk, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
         // dS^T -> shared memory (both warpgroups' keys), then dQ = dS K.
         store_fragment_pairs(tdSsdS(_, _, _, ds_stage), rdS);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
         wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
-        wgmma_issue<false, kHalfK>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
+        wgmma_issue<false, kHalfK>(mma_dk, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
         warpgroup_wait<1>();  // dQ done, the second half of dK still running
         warpgroup_fence_operand(acc_dq);
         // dQ += dS K (unscaled): fragments -> shared; the writer warp issues the bulk reduce-add.
@@ -448,7 +475,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
         wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
-        wgmma_issue<false>(mma_dkv, thr_dkv.partition_fragment_A(sdSt)(_, _, _, ds_stage), tdKrQ(_, _, _, st), acc_dk);
+        wgmma_issue<false>(mma_dk, thr_dk.partition_fragment_A(sdSt)(_, _, _, ds_stage), tdKrQ(_, _, _, st), acc_dk);
         warpgroup_wait<1>();  // dV and dQ done (dO is free), dK still running
         warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(read_do);
@@ -497,14 +524,13 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     Tensor rdV = make_fragment_like<Element>(acc_dv);
     convert_into(rdK, acc_dk);
     convert_into(rdV, acc_dv);
-    auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-    store_fragment_pairs(thr_dkv.partition_C(as_position_independent_swizzle_tensor(sK)), rdK);
-    store_fragment_pairs(thr_dkv.partition_C(as_position_independent_swizzle_tensor(sV)), rdV);
+    store_fragment_pairs(mma_dk.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sK)), rdK);
+    store_fragment_pairs(mma_dv.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sV)), rdV);
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
     if (tidx == 0) {
       auto [tdKg, tdKs] = key_tile_tma<BN, D>(P.tma_dk, p, w, sK);
-      auto [tdVg, tdVs] = key_tile_tma<BN, D>(P.tma_dv, p, w, sV);
+      auto [tdVg, tdVs] = key_tile_tma<BN, Dv>(P.tma_dv, p, w, sV);
       copy(P.tma_dk, tdKs, tdKg);  // rows past Skv are not written (the tensor's bounds)
       copy(P.tma_dv, tdVs, tdVg);
       tma_store_arrive();
@@ -513,24 +539,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     return;
   }
   // Split GQA groups: float32 partial sums, reduced by a later kernel.
-  Tensor cKV = make_identity_tensor(Shape<Int<BN>, Int<D>>{});
-  Tensor tc = mma_dkv.get_thread_slice(tidx).partition_C(cKV);
-  Tensor tc_rc = make_tensor(tc.data(), acc_rowcol_sm90(tc.layout()));
-  Tensor dk_rc = make_tensor(acc_dk.data(), acc_rowcol_sm90(acc_dk.layout()));
-  Tensor dv_rc = make_tensor(acc_dv.data(), acc_rowcol_sm90(acc_dv.layout()));
-  const int64_t out_off = (static_cast<int64_t>(w.b) * p.Skv + w.k0) * p.kv_row + static_cast<int64_t>(w.hk) * D;
-  const int64_t part = static_cast<int64_t>(w.split) * p.B * p.Skv * p.kv_row;
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(dk_rc); ++mi) {
-    const int r = get<0>(tc_rc(mi, 0));
-    if (r >= w.kv_rows) continue;
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(dk_rc); ni += 2) {
-      const int64_t o = out_off + r * p.kv_row + get<1>(tc_rc(mi, ni));
-      *reinterpret_cast<float2*>(p.dk_part + part + o) = make_float2(dk_rc(mi, ni) * p.scale, dk_rc(mi, ni + 1) * p.scale);
-      *reinterpret_cast<float2*>(p.dv_part + part + o) = make_float2(dv_rc(mi, ni), dv_rc(mi, ni + 1));
-    }
-  }
+  const int64_t part_k = static_cast<int64_t>(w.split) * p.B * p.Skv * p.kv_row;
+  const int64_t part_v = static_cast<int64_t>(w.split) * p.B * p.Skv * p.v_row;
+  store_key_tile_part<BN, D>(mma_dk, tidx, acc_dk, p.dk_part + part_k, p.kv_row, p, w, p.scale);
+  store_key_tile_part<BN, Dv>(mma_dv, tidx, acc_dv, p.dv_part + part_v, p.v_row, p, w, 1.f);
 #endif
 }
 
@@ -580,23 +592,26 @@ __global__ void __launch_bounds__(256) bwd_sm90_dq_convert_kernel(const BwdParam
 template <class KT>
 cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
   using Element = typename KT::Element;
-  constexpr int D = KT::kD;
-  // An input (const void*) to load or an output (void*) to store.
-  auto g = [&](auto* ptr, int64_t len, int heads) { return tma_global_view<Element, D>(ptr, len, heads, p.B); };
+  constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
+  // An input (const void*) to load or an output (void*) to store, W wide.
+  auto g = [&](auto width, auto* ptr, int64_t len, int heads) {
+    return tma_global_view<Element, decltype(width)::value>(ptr, len, heads, p.B);
+  };
   BwdSm90Params<KT> P;
   P.p = p;
-  auto q_smem = take<0, 2>(typename KT::SmemLayoutQ{});
-  P.tma_q = make_tma_copy(SM90_TMA_LOAD{}, g(p.q, p.Sq, p.Hq), q_smem, Shape<Int<KT::kBM>, Int<D>>{}, _1{});
-  P.tma_do = make_tma_copy(SM90_TMA_LOAD{}, g(p.dout, p.Sq, p.Hq), q_smem, Shape<Int<KT::kBM>, Int<D>>{}, _1{});
-  P.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g(p.k, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
-                          Shape<Int<KT::kBN>, Int<D>>{}, _1{});
-  P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, g(p.v, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
-                          Shape<Int<KT::kBN>, Int<D>>{}, _1{});
+  P.tma_q = make_tma_copy(SM90_TMA_LOAD{}, g(Int<D>{}, p.q, p.Sq, p.Hq), take<0, 2>(typename KT::SmemLayoutQ{}),
+                          Shape<Int<BM>, Int<D>>{}, _1{});
+  P.tma_do = make_tma_copy(SM90_TMA_LOAD{}, g(Int<Dv>{}, p.dout, p.Sq, p.Hq), take<0, 2>(typename KT::SmemLayoutdO{}),
+                           Shape<Int<BM>, Int<Dv>>{}, _1{});
+  P.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g(Int<D>{}, p.k, p.Skv, p.Hkv), typename KT::SmemLayoutK{},
+                          Shape<Int<BN>, Int<D>>{}, _1{});
+  P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, g(Int<Dv>{}, p.v, p.Skv, p.Hkv), typename KT::SmemLayoutV{},
+                          Shape<Int<BN>, Int<Dv>>{}, _1{});
   if (p.splits == 1) {
-    P.tma_dk = make_tma_copy(SM90_TMA_STORE{}, g(p.dk, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
-                             Shape<Int<KT::kBN>, Int<D>>{}, _1{});
-    P.tma_dv = make_tma_copy(SM90_TMA_STORE{}, g(p.dv, p.Skv, p.Hkv), typename KT::SmemLayoutKV{},
-                             Shape<Int<KT::kBN>, Int<D>>{}, _1{});
+    P.tma_dk = make_tma_copy(SM90_TMA_STORE{}, g(Int<D>{}, p.dk, p.Skv, p.Hkv), typename KT::SmemLayoutK{},
+                             Shape<Int<BN>, Int<D>>{}, _1{});
+    P.tma_dv = make_tma_copy(SM90_TMA_STORE{}, g(Int<Dv>{}, p.dv, p.Skv, p.Hkv), typename KT::SmemLayoutV{},
+                             Shape<Int<BN>, Int<Dv>>{}, _1{});
   }
   auto kernel = attention_bwd_sm90_kernel<KT>;
   static unsigned smem_done = 0;
@@ -613,7 +628,12 @@ cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
 }
 
 template <class Element>
-cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, cudaStream_t stream) {
+cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, int64_t dv, cudaStream_t stream) {
+  if (dv != d) {
+    static_assert(sm90_value_head_dim(192, 128));
+    if (sm90_value_head_dim(d, dv)) return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 192, 128>>(p, stream);
+    return cudaErrorInvalidValue;
+  }
   switch (d) {
     case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64, 2>>(p, stream);
     case 96: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 96, 2>>(p, stream);
@@ -640,9 +660,9 @@ bool bwd_use_sm90(const AttentionArgs& a) {
   return sm90_kernels_available();
 }
 
-cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, cudaStream_t stream) {
-  return dtype == DType::kBF16 ? detail::dispatch_bwd_sm90<cutlass::bfloat16_t>(p, d, stream)
-                               : detail::dispatch_bwd_sm90<cutlass::half_t>(p, d, stream);
+cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, int64_t dv, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? detail::dispatch_bwd_sm90<cutlass::bfloat16_t>(p, d, dv, stream)
+                               : detail::dispatch_bwd_sm90<cutlass::half_t>(p, d, dv, stream);
 }
 
 }  // namespace jaxcp::cuda

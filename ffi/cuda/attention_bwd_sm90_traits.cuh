@@ -3,11 +3,12 @@
 //   BwdSm90Traits (D 64, 96, 128): 128-key tiles, one 64-key slab per consumer warpgroup; P and dS
 //     stay in registers as the A operand of dV / dK; dQ through a shared buffer and a writer warp.
 //     Query tiles of 64, or 128 at D 64 (bwd_sm90_block_m: 8-10% faster there, H100).
-//   BwdSm90SplitDTraits (D 192, 256): dK and dV of 128 keys would not fit in the registers, so key
-//     tiles are 64 keys and the warpgroups split the head dim of dK, dV and dQ (and the queries
-//     of S^T and dP^T). P^T and dS^T go through shared memory to both; dQ is reduce-added from
-//     the registers (no room for a float32 dQ buffer next to the D 256 tiles).
-// Both compute S^T and dP^T with keys as rows.
+//   BwdSm90SplitDTraits (D 192, 256; q/k 192 with v 128): dK and dV of 128 keys would not fit in
+//     the registers, so key tiles are 64 keys and the warpgroups split the head dim of dK, dV and
+//     dQ (and the queries of S^T and dP^T). P^T and dS^T go through shared memory to both; dQ is
+//     reduce-added from the registers (no room for a float32 dQ buffer next to the D 256 tiles).
+// Both compute S^T and dP^T with keys as rows. kDv, the value head dim, sizes V, dO, dV and the
+// dP^T / dV GEMMs (multi-head latent attention: sm90_value_head_dim); Q, K, dK, dQ take kD.
 #pragma once
 #include "attention_bwd.cuh"
 
@@ -21,30 +22,32 @@ struct BwdSm90StepInfo {
   int i, c, h, more;
 };
 
-// Layouts and TMA types both designs share, from the tile sizes and pipeline depths. kSliceD: the
-// widest slice of the head dim one warpgroup's GEMM takes (D, or D / 2 where they split it): the
-// shared-memory swizzle must divide it, as a slice's MN-major operand must start on a swizzle
-// atom (D 192 split in two: 64-byte swizzle, 96 = 3 x 32 columns).
-template <class Element_, int kD_, int kBN_, int kStagesQ_, int kStagesDO_, int kSliceD = kD_>
+// Layouts and TMA types both designs share, from the tile sizes and pipeline depths. kSplit: how
+// many slices of the head dim the warpgroups' GEMMs take (1, or 2 where they split it): the
+// shared-memory swizzle must divide a slice, as a slice's MN-major operand must start on a swizzle
+// atom (D 192 split in two: 64-byte swizzle, 96 = 3 x 32 columns; its V, 128 wide: 128-byte).
+template <class Element_, int kD_, int kDv_, int kBN_, int kStagesQ_, int kStagesDO_, int kSplit>
 struct BwdSm90Common {
   using Element = Element_;
-  static constexpr int kD = kD_, kBM = bwd_sm90_block_m(kD_), kBN = kBN_;
+  static constexpr int kD = kD_, kDv = kDv_, kBM = bwd_sm90_block_m(kD_), kBN = kBN_;
   static constexpr int kStagesQ = kStagesQ_, kStagesDO = kStagesDO_;
   static_assert(kBN == bwd_block_n(kD), "the host plan's key tiles");
   static constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
   static constexpr int kConsumerThreads = 256;
 
-  using SmemAtomK = SmemAtomKMajor<Element, kSliceD>;
+  using SmemAtomK = SmemAtomKMajor<Element, kD / kSplit>;
+  using SmemAtomV = SmemAtomKMajor<Element, kDv / kSplit>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStagesQ>>{}));
-  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBM>, Int<kD>, Int<kStagesDO>>{}));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBM>, Int<kDv>, Int<kStagesDO>>{}));
   // Q and dO read as the (D, queries) B operand of dK / dV: the same bytes, MN-major.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kD>, Int<kBM>, Int<kStagesQ>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutdOt = decltype(composition(
-      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kD>, Int<kBM>, Int<kStagesDO>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBN>, Int<kD>>{}));
-  using SmemLayoutKt = decltype(composition(SmemLayoutKV{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>>{},
-                                                                                 Step<_2, _1>{})));
+      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kDv>, Int<kBM>, Int<kStagesDO>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBN>, Int<kD>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBN>, Int<kDv>>{}));
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>>{},
+                                                                                Step<_2, _1>{})));
   // dS (and P) as the (queries, keys) A operand of dQ, queries contiguous; its transpose
   // (keys, queries) is the same bytes read K-major, as the fragments store them. Two buffers, so
   // that one warpgroup can write the next step's while the other still reads this one.
@@ -58,12 +61,16 @@ struct BwdSm90Common {
   using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeG{}, StrideG{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutQ{}),
                                      Shape<Int<kBM>, Int<kD>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutKV{},
-                                      Shape<Int<kBN>, Int<kD>>{}, _1{}));
+  using TmadO = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutdO{}),
+                                      Shape<Int<kBM>, Int<kDv>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutK{}, Shape<Int<kBN>, Int<kD>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, SmemLayoutV{}, Shape<Int<kBN>, Int<kDv>>{}, _1{}));
   // dK and dV leave from the K and V tiles' shared memory, in their layout.
   using GTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeG{}, StrideG{}));
-  using TmaStoreKV = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorOut{}, SmemLayoutKV{},
-                                           Shape<Int<kBN>, Int<kD>>{}, _1{}));
+  using TmaStoreK = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorOut{}, SmemLayoutK{},
+                                          Shape<Int<kBN>, Int<kD>>{}, _1{}));
+  using TmaStoreV = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorOut{}, SmemLayoutV{},
+                                          Shape<Int<kBN>, Int<kDv>>{}, _1{}));
   static constexpr int kBarEpilogue = 6;  // named barrier: the consumers' epilogue
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
@@ -71,13 +78,13 @@ struct BwdSm90Common {
   static constexpr uint32_t kRowBytes = kBM * sizeof(float);  // lse2 or delta of one query tile
   static constexpr uint32_t kIdBytes = kBM * sizeof(ColMask);  // (segment, position) of its queries
   static constexpr uint32_t kQStageBytes = kBM * kD * sizeof(Element) + kRowBytes + kIdBytes;
-  static constexpr uint32_t kDOStageBytes = kBM * kD * sizeof(Element) + kRowBytes;
-  static constexpr uint32_t kKVBytes = 2 * kBN * kD * sizeof(Element);
+  static constexpr uint32_t kDOStageBytes = kBM * kDv * sizeof(Element) + kRowBytes;
+  static constexpr uint32_t kKVBytes = kBN * (kD + kDv) * sizeof(Element);
 
   // Everything but the P / dS and dQ buffers, which the designs size differently.
   struct CommonStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-    cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
     cute::array_aligned<float, kBM * kStagesQ, 128> lse2;
@@ -92,11 +99,11 @@ struct BwdSm90Common {
 };
 
 template <class Element_, int kHeadDim, int kStages>
-struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages> {
-  using Base = BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages>;
+struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages, kStages, 1> {
+  using Base = BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages, kStages, 1>;
   using Element = Element_;
   static constexpr bool kSplitD = false;
-  static constexpr int kD = kHeadDim, kBM = Base::kBM, kBN = Base::kBN;
+  static constexpr int kD = kHeadDim, kDv = kHeadDim, kBM = Base::kBM, kBN = Base::kBN;
   // Named barriers: 0 __syncthreads; 1 both consumer warpgroups' dS are in shared memory; 2 / 3
   // the dQ buffer is empty / full (consumers + the writer warp); 4, 5 a warpgroup's query masks.
   static constexpr int kBarDS = 1, kBarDQEmpty = 2, kBarDQFull = 3, kBarQMasks = 4;
@@ -106,10 +113,11 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages> 
   using AtomRows = Layout<Shape<_2, _1, _1>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kBM>, Int<kD>>>(), AtomRows{}));
-  using TiledMmadKV = decltype(make_tiled_mma(
+  using TiledMmadK = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kD>, Int<kBM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       AtomRows{}));
+  using TiledMmadV = TiledMmadK;
   // dQ (queries x D): the warpgroups split the queries when there are 128 (wider wgmma), else D.
   static constexpr int kDQSplitM = kBM >= 128 ? 2 : 1;
   using TiledMmadQ = decltype(make_tiled_mma(
@@ -125,14 +133,22 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, 128, kStages, kStages> 
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
 
-// One dO stage: two, with single P / dS buffers (the shared memory allows one or the other), ran
-// at the same speed (H100, 2 x 8k, documents of 1k).
-template <class Element_, int kHeadDim>
-struct BwdSm90SplitDTraits : BwdSm90Common<Element_, kHeadDim, 64, 2, 1, kHeadDim / 2> {
-  using Base = BwdSm90Common<Element_, kHeadDim, 64, 2, 1, kHeadDim / 2>;
+// dO stages of the split-D design. D 256: one; two, with single P / dS buffers (the shared memory
+// allows one or the other), ran at the same speed (H100, 2 x 8k, documents of 1k). D 192: two,
+// 1.07x faster forward+backward than one (H200, 2 x 8k doc1k). q/k 192 with v 128: one; two were
+// 0.5-1% slower (same A/B).
+constexpr int bwd_sm90_split_do_stages(int d, int dv) { return d == 192 && dv == 192 ? 2 : 1; }
+constexpr int bwd_sm90_split_q_stages(int d, int dv) { return 2; }
+
+template <class Element_, int kHeadDim, int kHeadDimV = kHeadDim>
+struct BwdSm90SplitDTraits
+    : BwdSm90Common<Element_, kHeadDim, kHeadDimV, 64, bwd_sm90_split_q_stages(kHeadDim, kHeadDimV),
+                    bwd_sm90_split_do_stages(kHeadDim, kHeadDimV), 2> {
+  using Base = BwdSm90Common<Element_, kHeadDim, kHeadDimV, 64, bwd_sm90_split_q_stages(kHeadDim, kHeadDimV),
+                             bwd_sm90_split_do_stages(kHeadDim, kHeadDimV), 2>;
   using Element = Element_;
   static constexpr bool kSplitD = true;
-  static constexpr int kD = kHeadDim, kBM = Base::kBM, kBN = Base::kBN;
+  static constexpr int kD = kHeadDim, kDv = kHeadDimV, kBM = Base::kBM, kBN = Base::kBN;
   // Named barriers: 0 __syncthreads; 1 / 2 both warpgroups' P^T / dS^T are in shared memory;
   // 3 the deterministic dQ turn taken / done; 4, 5 a warpgroup's query masks.
   static constexpr int kBarP = 1, kBarDS = 2, kBarTurn = 3, kBarQMasks = 4;
@@ -141,11 +157,14 @@ struct BwdSm90SplitDTraits : BwdSm90Common<Element_, kHeadDim, 64, 2, 1, kHeadDi
   // S^T, dP^T (keys x queries): the warpgroups split the queries.
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kBM / 2>, Int<kD>>>(), AtomCols{}));
-  // dK, dV (keys x D) += P^T / dS^T (keys x queries, shared) x Q / dO: the warpgroups split D.
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kD / 2>, Int<kBM>>, GMMA::Major::K,
+  // dK, dV (keys x D, Dv) += dS^T / P^T (keys x queries, shared) x Q / dO: the warpgroups split D, Dv.
+  template <int kCols>
+  using TiledMmaKeysBy = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kCols / 2>, Int<kBM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       AtomCols{}));
+  using TiledMmadK = TiledMmaKeysBy<kD>;
+  using TiledMmadV = TiledMmaKeysBy<kDv>;
   // dQ (queries x D): the warpgroups split D.
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBM>, Int<kD / 2>, Int<kBN>>, GMMA::Major::MN,

@@ -55,7 +55,7 @@ ffi::Error check_common(const AttentionShape& s, bool head_dim_ok,
     return invalid("head_dim " + std::to_string(s.head_dim) + " with value head dim " + std::to_string(s.v_dim()) +
                    " is not supported by the CUDA kernels here (64, 128 or 256; on sm_90 also 96 and 192, "
                    "but for short windows forward and deterministic backward; V as wide as q and k but for "
-                   "192 / 128 in the sm_90 forward): pad them, as jaxcp.attention does");
+                   "192 / 128 on sm_90, where 96 and 192 run): pad them, as jaxcp.attention does");
   return check_token_arrays(s, q_seg, q_pos, kv_seg, kv_pos);
 }
 
@@ -130,12 +130,13 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
   if (auto e = check_common(shape, attention_bwd_head_dim_supported(a), q_seg, q_pos, kv_seg, kv_pos);
       e.failure())
     return e;
-  const std::initializer_list<int64_t> qdims = {shape.batch, shape.q_len, shape.q_heads, shape.head_dim};
-  const std::initializer_list<int64_t> kvdims = {shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim};
-  if (!dims_are(out, qdims) || !dims_are(dout, qdims) || !dims_are(*dq, qdims))
-    return invalid("out, dout and dq must have the shape of q");
-  if (!dims_are(*dk, kvdims) || !dims_are(*dv, kvdims))
-    return invalid("dk and dv must have the shape of k");
+  if (!has_out_shape(out, shape) || !has_out_shape(dout, shape))
+    return invalid("out and dout must have shape [B, Sq, Hq, Dv], those of q but for v's head dim");
+  if (!dims_are(*dq, {shape.batch, shape.q_len, shape.q_heads, shape.head_dim}))
+    return invalid("dq must have the shape of q");
+  if (!dims_are(*dk, {shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim}) ||
+      !dims_are(*dv, {shape.batch, shape.kv_len, shape.kv_heads, shape.v_dim()}))
+    return invalid("dk and dv must have the shapes of k and v");
   if (!dims_are(lse, {shape.batch, shape.q_heads, shape.q_len}) ||
       !dims_are(dlse, {shape.batch, shape.q_heads, shape.q_len}))
     return invalid("lse and dlse must have shape [B, Hq, Sq]");

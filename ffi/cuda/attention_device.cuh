@@ -37,7 +37,8 @@ constexpr int dq_block_n(int64_t d) { return d == 256 ? 32 : 64; }    // keys pe
 constexpr bool sm80_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 constexpr bool sm90_head_dim(int64_t d) { return sm80_head_dim(d) || d == 96 || d == 192; }
 // A value head dim of its own next to head dim d: multi-head latent attention's 192 / 128
-// (DeepSeek-V2/V3), in the sm_90a forward only. Every other pair pads V to d.
+// (DeepSeek-V2/V3), in the sm_90a kernels only (forward, and the non-deterministic backward).
+// Every other pair pads V to d.
 constexpr bool sm90_value_head_dim(int64_t d, int64_t dv) { return d == 192 && dv == 128; }
 
 constexpr float kLog2e = 1.4426950408889634f;

@@ -35,10 +35,12 @@ struct FwdParams {
 };
 
 // Keys per step of the sm_90a kernel (its query tile is kFwdBlockM = 128; dv: the value head dim):
-// 64 above D 128, where two stages of 128-key K and V tiles would not fit in shared memory next to
-// Q, but for q/k 192 with v 128, whose 128-key tiles fit (208 KB, O staged through sQ) and ran
-// 10-12% faster than 64-key ones (H200, session 29).
-constexpr int fwd_sm90_block_n(int64_t d, int64_t dv) { return d > 128 && !(d == 192 && dv == 128) ? 64 : 128; }
+// 128 where Q and two stages of 128-key K and V tiles (16-bit) fit in 208 KB of shared memory, else
+// 64. That is D 64, 96, 128, and q/k 192 with v 128 (208 KB, O staged through sQ; 10-12% faster than
+// 64-key tiles, H200, session 29); D 192 and 256 take 64.
+constexpr int fwd_sm90_block_n(int64_t d, int64_t dv) {
+  return 2 * (kFwdBlockM * d + 2 * 128 * (d + dv)) <= 208 * 1024 ? 128 : 64;
+}
 
 }  // namespace detail
 
