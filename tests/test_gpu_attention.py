@@ -245,10 +245,9 @@ NATIVE_DIMS = {"d96": (96, 96), "d192": (192, 192), "qk192_v128": (192, 128)}
 
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("dims", list(NATIVE_DIMS.values()), ids=list(NATIVE_DIMS))
-def test_native_head_dims(mask, dims, monkeypatch):
-  """The sm_90a kernels' own head dims, forward and backward, under every mask. JAXCP_FORCE_SM90
-  puts the short windows on the forward too. Off Hopper this runs padded."""
-  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
+def test_native_head_dims(mask, dims):
+  """The sm_90a kernels' own head dims, forward and backward, under every mask. Off Hopper this
+  runs padded."""
   rng = np.random.default_rng(17)
   seg = random_segments(rng, 2, 700, mean_doc=150)
   _compare(*_qkv(17, 2, 700, 700, 4, 2, dims[0], jnp.bfloat16, dims[1]), jnp.bfloat16, segment_ids=seg,
@@ -289,12 +288,12 @@ def _on_hopper():
 @pytest.mark.skipif(not _on_hopper(), reason="the 96- and 192-wide tiles are sm_90a's")
 @pytest.mark.parametrize("head_dim,padded", [(96, 128), (192, 256)])
 def test_native_head_dims_run_unpadded_on_hopper(head_dim, padded, monkeypatch):
-  """On Hopper D 96 / 192 run as they are (no pad, no slice), the backward unless deterministic; a
-  short window, which the sm_80 forward takes, and JAXCP_DISABLE_SM90 pad to the next tile
-  width; a head dim between (80, 176) pads to the native one."""
+  """On Hopper D 96 / 192 run as they are (no pad, no slice), short windows too, the backward
+  unless deterministic; JAXCP_DISABLE_SM90 pads to the next tile width; a head dim between (80,
+  176) pads to the native one."""
   assert _operand_widths(head_dim, is_causal=True) == {head_dim}
   assert _operand_widths(head_dim - 16, is_causal=True) == {head_dim}
-  assert _operand_widths(head_dim, local_window_size=(64, 0)) == {head_dim, padded}
+  assert _operand_widths(head_dim, local_window_size=(64, 0)) == {head_dim}
   assert _operand_widths(head_dim, backward=True, is_causal=True) == {head_dim}
   assert _operand_widths(head_dim, backward=True, is_causal=True, deterministic=True) == {head_dim, padded}
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
@@ -323,12 +322,12 @@ def _mla_pads(backward, **kw):
 
 @pytest.mark.skipif(not _on_hopper(), reason="V's own head dim is the sm_90a kernels'")
 def test_mla_value_runs_unpadded_on_hopper(monkeypatch):
-  """On Hopper q/k 192, v 128 takes V as it is (nothing padded), forward and backward; the
-  deterministic backward, a short window (the sm_80 forward) and JAXCP_DISABLE_SM90 pad."""
+  """On Hopper q/k 192, v 128 takes V as it is (nothing padded), forward and backward, short
+  windows too; the deterministic backward and JAXCP_DISABLE_SM90 pad."""
   assert not _mla_pads(False, is_causal=True)
   assert not _mla_pads(True, is_causal=True)
   assert _mla_pads(True, is_causal=True, deterministic=True)
-  assert _mla_pads(False, local_window_size=(64, 0))
+  assert not _mla_pads(True, local_window_size=(64, 0))
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   assert _mla_pads(False, is_causal=True)
 
@@ -359,8 +358,8 @@ def test_default_implementation_picks_cuda():
 @pytest.mark.parametrize("mask", ["causal", "window", "causal_chunk"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm80_kernels_on_hopper(mask, head_dim, monkeypatch):
-  """On an H100/H200 the forward (windows under 512 aside) and the non-deterministic backward run
-  sm_90a kernels; the sm_80 kernels must stay correct too."""
+  """On an H100/H200 the forward and the non-deterministic backward run sm_90a kernels; the sm_80
+  kernels (A100) must stay correct too."""
   monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   rng = np.random.default_rng(3)
   seg = random_segments(rng, 2, 700, mean_doc=150)
@@ -369,20 +368,18 @@ def test_sm80_kernels_on_hopper(mask, head_dim, monkeypatch):
 
 @pytest.mark.parametrize("mask", ["window", "causal_window"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sm90_forward_on_short_windows(mask, head_dim, monkeypatch):
-  """Short windows dispatch to the sm_80 forward; the sm_90a one must stay correct on them too
-  (JAXCP_FORCE_SM90 skips the dispatch rule; off Hopper it changes nothing)."""
-  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
+def test_sm90_forward_on_short_windows(mask, head_dim):
+  """Windows under 512 keys, which the sm_90a forward runs since session 30 (the sm_80 one did
+  before): query tiles whose key tiles are nearly all partial."""
   rng = np.random.default_rng(4)
   seg = random_segments(rng, 2, 700, mean_doc=150)
   _compare(*_qkv(4, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])
 
 
 @pytest.mark.parametrize("scale", [0.3, 0.0, -0.2])
-def test_explicit_scales(scale, monkeypatch):
+def test_explicit_scales(scale):
   """The sm_90a forward folds a positive scale into its exponent; zero and negative scales go to
-  the sm_80 forward even when sm_90a is forced, and every scale must match the reference."""
-  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
+  the sm_80 forward, and every scale must match the reference."""
   rng = np.random.default_rng(6)
   seg = random_segments(rng, 2, 700, mean_doc=150)
   _compare(*_qkv(6, 2, 700, 700, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True,
@@ -417,10 +414,9 @@ DOC_TILE_ROWS = {
 
 @pytest.mark.parametrize("row", list(DOC_TILE_ROWS))
 @pytest.mark.parametrize("mask", ["causal", "window", "causal_chunk", "full"])
-def test_document_tiles(row, mask, monkeypatch):
+def test_document_tiles(row, mask):
   """The sm_90a forward starts query tiles at documents and walks key tiles from each tile's
   first allowed key (attention_doc_tiles_kernels.cu); rows built to hit its edge cases."""
-  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
   s = 1900
   if row == "reused_ids":
     seg = np.where((np.arange(s) // 70) % 2 == 0, 1, 2).astype(np.int32)
@@ -436,7 +432,6 @@ def test_document_tiles(row, mask, monkeypatch):
 def test_document_tiles_cross_attention(fixed_tiles, monkeypatch):
   """Queries and keys with different documents and lengths (Sq != Skv), with document tiles and
   with 128-row tiles from token 0 (JAXCP_FWD_FIXED_TILES=1)."""
-  monkeypatch.setenv("JAXCP_FORCE_SM90", "1")
   monkeypatch.setenv("JAXCP_FWD_FIXED_TILES", fixed_tiles)
   rng = np.random.default_rng(8)
   q_seg = random_segments(rng, 2, 900, mean_doc=120, pad_tail=False)

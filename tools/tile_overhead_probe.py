@@ -3,18 +3,14 @@ row of equal documents (L tokens: query tile i of a document walks i + 1 key til
 document under a sliding window (every query tile walks about window / 128 + 1), with a
 least-squares fit of time = a * (key tiles walked) + x * (query tiles), per implementation.
 x / a is the per-query-tile overhead in key-tile times: what short documents and windows pay.
-  python tools/tile_overhead_probe.py [--seq 65536] [--heads 16] [--head-dim 128]
-JAXCP_FORCE_SM90=1 is set so that every case runs the sm_90a kernel (short windows otherwise go
-to the sm_80 kernel)."""
+  python tools/tile_overhead_probe.py [--seq 65536] [--heads 16] [--head-dim 128]"""
 import argparse
 import os
 import sys
 
-os.environ.setdefault("JAXCP_FORCE_SM90", "1")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_attention as ba  # noqa: E402

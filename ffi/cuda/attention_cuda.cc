@@ -54,7 +54,7 @@ ffi::Error check_common(const AttentionShape& s, bool head_dim_ok,
   if (!head_dim_ok)
     return invalid("head_dim " + std::to_string(s.head_dim) + " with value head dim " + std::to_string(s.v_dim()) +
                    " is not supported by the CUDA kernels here (64, 128 or 256; on sm_90 also 96 and 192, "
-                   "but for short windows forward and deterministic backward; V as wide as q and k but for "
+                   "but for a deterministic backward or a forward with scale <= 0; V as wide as q and k but for "
                    "192 / 128 on sm_90, where 96 and 192 run): pad them, as jaxcp.attention does");
   return check_token_arrays(s, q_seg, q_pos, kv_seg, kv_pos);
 }

@@ -580,19 +580,15 @@ bool sm90_kernels_available() {
 
 bool sm90_disabled_by_env() { return env_flag("JAXCP_DISABLE_SM90"); }
 
-// JAXCP_FORCE_SM90=1 (a development aid, for measuring the rule below) skips the shape rule.
-static bool sm90_forced_by_env() { return env_flag("JAXCP_FORCE_SM90"); }
-
+// Every shape with a positive scale: until session 30 windows under 512 keys took the sm_80
+// kernel (session 7: window 256 0.96x on an H100, 1.05x on an H200). Session 30's A/B, forward,
+// sm_80 time / sm_90a time on an H200 / H100, 2 x 8k with documents of 1k, D 128: window 256
+// 1.45-1.46x / 1.47-1.48x, window 128 1.37x (H200), window 64 1.17x / 1.15-1.18x; window 256 at
+// D 64 1.33-1.34x / 1.26-1.34x, at D 256 1.96x / 1.87-1.88x, at D 96 / 192 2.7-3.9x (padded by
+// the sm_80 kernel); 4 x 16k with documents of 4k, window 256: 1.46x / 1.46-1.51x.
 bool fwd_use_sm90(const AttentionArgs& a) {
   if (sm90_disabled_by_env()) return false;
   if (!(a.scale > 0.f)) return false;  // the kernel folds the scale into exp2 (online_softmax)
-  if (sm90_forced_by_env()) return sm90_kernels_available();
-  // Measured with tools/sm90_smoke.py (sm_90a / sm_80 time ratio). Session 5 (H100, one CTA
-  // per query tile): D 64 1.06-1.24x, chunk 2048 1.07x, window 1024 1.11x, but window 256 0.92x.
-  // Session 7, persistent kernel: window 256 0.96x (H100, before the spill fix) and 1.05x (H200,
-  // final code), window 1024 1.28-1.36x. Short windows stay on the sm_80 kernel until a run
-  // on both devices shows them faster.
-  if (a.mask.window_left >= 0 && a.mask.window_left < 512) return false;
   return sm90_kernels_available();
 }
 

@@ -87,7 +87,7 @@ def cuda_kernel_head_dims(direction: str, d: int, dv: int, window_left: int, sca
   head dims d and dv on the current device: w, the smallest width they support that is at least
   both (<= 256), and for V the smallest width from dv up that they run next to w (w itself but
   for multi-head latent attention's 192 / 128 in the sm_90a kernels). Not cached: the development
-  switches JAXCP_DISABLE_SM90 / JAXCP_FORCE_SM90 are read at each call."""
+  switch JAXCP_DISABLE_SM90 is read at each call."""
   module = _load("CUDA")
   runs = lambda w, wv: module.attention_head_dim_supported(direction == "fwd", w, wv, window_left, scale,
                                                            deterministic)
