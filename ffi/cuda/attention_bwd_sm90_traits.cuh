@@ -133,19 +133,17 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
 
-// dO stages of the split-D design. D 256: one; two, with single P / dS buffers (the shared memory
-// allows one or the other), ran at the same speed (H100, 2 x 8k, documents of 1k). D 192: two,
-// 1.07x faster forward+backward than one (H200, 2 x 8k doc1k). q/k 192 with v 128: one; two were
-// 0.5-1% slower (same A/B).
+// dO stages of the split-D design (Q has two; three were slower at D 192 and no faster at q/k 192
+// with v 128, H200). D 256: one; two, with single P / dS buffers (the shared memory allows one or
+// the other), ran at the same speed (H100, 2 x 8k, documents of 1k). D 192: two, 1.07x faster
+// forward+backward than one (H200, 2 x 8k doc1k). q/k 192 with v 128: one; two were 0.5-1% slower
+// (same A/B).
 constexpr int bwd_sm90_split_do_stages(int d, int dv) { return d == 192 && dv == 192 ? 2 : 1; }
-constexpr int bwd_sm90_split_q_stages(int d, int dv) { return 2; }
 
 template <class Element_, int kHeadDim, int kHeadDimV = kHeadDim>
 struct BwdSm90SplitDTraits
-    : BwdSm90Common<Element_, kHeadDim, kHeadDimV, 64, bwd_sm90_split_q_stages(kHeadDim, kHeadDimV),
-                    bwd_sm90_split_do_stages(kHeadDim, kHeadDimV), 2> {
-  using Base = BwdSm90Common<Element_, kHeadDim, kHeadDimV, 64, bwd_sm90_split_q_stages(kHeadDim, kHeadDimV),
-                             bwd_sm90_split_do_stages(kHeadDim, kHeadDimV), 2>;
+    : BwdSm90Common<Element_, kHeadDim, kHeadDimV, 64, 2, bwd_sm90_split_do_stages(kHeadDim, kHeadDimV), 2> {
+  using Base = BwdSm90Common<Element_, kHeadDim, kHeadDimV, 64, 2, bwd_sm90_split_do_stages(kHeadDim, kHeadDimV), 2>;
   using Element = Element_;
   static constexpr bool kSplitD = true;
   static constexpr int kD = kHeadDim, kDv = kHeadDimV, kBM = Base::kBM, kBN = Base::kBN;
@@ -154,7 +152,8 @@ struct BwdSm90SplitDTraits
   static constexpr int kBarP = 1, kBarDS = 2, kBarTurn = 3, kBarQMasks = 4;
 
   using AtomCols = Layout<Shape<_1, _2, _1>>;
-  // S^T, dP^T (keys x queries): the warpgroups split the queries.
+  // S^T, dP^T (keys x queries): the warpgroups split the queries. (The selector's K, D here,
+  // picks only the atom's k of 16, so dP^T = V dO^T runs on it over Dv as well.)
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBN>, Int<kBM / 2>, Int<kD>>>(), AtomCols{}));
   // dK, dV (keys x D, Dv) += dS^T / P^T (keys x queries, shared) x Q / dO: the warpgroups split D, Dv.
