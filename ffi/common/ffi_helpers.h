@@ -74,6 +74,32 @@ ffi::Error check_token_arrays(const AttentionShape& s, const Buf& q_seg, const B
   return ffi::Error::Success();
 }
 
+// The forward's out [B, Sq, Hq, Dv] and lse [B, Hq, Sq], and the token arrays (both handlers).
+template <class Out, class Lse, class Tok>
+ffi::Error check_fwd_operands(const AttentionShape& s, const Out& out, const Lse& lse, const Tok& q_seg,
+                              const Tok& q_pos, const Tok& kv_seg, const Tok& kv_pos) {
+  if (!has_out_shape(out, s)) return invalid("out must have shape [B, Sq, Hq, Dv], those of q but for v's head dim");
+  if (!dims_are(lse, {s.batch, s.q_heads, s.q_len})) return invalid("lse must have shape [B, Hq, Sq]");
+  return check_token_arrays(s, q_seg, q_pos, kv_seg, kv_pos);
+}
+
+// The backward's out / dout, lse / dlse, gradients dq / dk / dv (the shapes of q, k, v; the kernels
+// write them by these shapes) and token arrays (both handlers).
+template <class Buf, class Lse, class Grad, class Tok>
+ffi::Error check_bwd_operands(const AttentionShape& s, const Buf& out, const Buf& dout, const Lse& lse,
+                              const Lse& dlse, const Grad& dq, const Grad& dk, const Grad& dv, const Tok& q_seg,
+                              const Tok& q_pos, const Tok& kv_seg, const Tok& kv_pos) {
+  if (!has_out_shape(out, s) || !has_out_shape(dout, s))
+    return invalid("out and dout must have shape [B, Sq, Hq, Dv], those of q but for v's head dim");
+  if (!dims_are(lse, {s.batch, s.q_heads, s.q_len}) || !dims_are(dlse, {s.batch, s.q_heads, s.q_len}))
+    return invalid("lse and dlse must have shape [B, Hq, Sq]");
+  if (!dims_are(dq, {s.batch, s.q_len, s.q_heads, s.head_dim})) return invalid("dq must have the shape of q");
+  if (!dims_are(dk, {s.batch, s.kv_len, s.kv_heads, s.head_dim}) ||
+      !dims_are(dv, {s.batch, s.kv_len, s.kv_heads, s.v_dim()}))
+    return invalid("dk and dv must have the shapes of k and v");
+  return check_token_arrays(s, q_seg, q_pos, kv_seg, kv_pos);
+}
+
 inline AttentionArgs attention_args(const AttentionShape& shape, bool causal, int64_t window_left,
                                     int64_t window_right, int64_t chunk_size, float scale,
                                     bool deterministic) {

@@ -72,9 +72,7 @@ ffi::Error AttentionFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<f
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
   if (auto e = value_dim_from(v, &shape); e.failure()) return e;
-  if (!has_out_shape(*out, shape)) return invalid("out must have shape [B, Sq, Hq, Dv]");
-  if (!dims_are(*lse, {shape.batch, shape.q_heads, shape.q_len})) return invalid("lse must have shape [B, Hq, Sq]");
-  if (auto e = check_token_arrays(shape, q_seg, q_pos, kv_seg, kv_pos); e.failure()) return e;
+  if (auto e = check_fwd_operands(shape, *out, *lse, q_seg, q_pos, kv_seg, kv_pos); e.failure()) return e;
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right,
                                          chunk_size, scale, /*deterministic=*/true);
   std::vector<float> qf, kf, vf, of(out->element_count());
@@ -97,12 +95,9 @@ ffi::Error AttentionBwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer out
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
   if (auto e = value_dim_from(v, &shape); e.failure()) return e;
-  if (!has_out_shape(out, shape) || !has_out_shape(dout, shape))
-    return invalid("out and dout must have shape [B, Sq, Hq, Dv]");
-  if (!dims_are(lse, {shape.batch, shape.q_heads, shape.q_len}) ||
-      !dims_are(dlse, {shape.batch, shape.q_heads, shape.q_len}))
-    return invalid("lse and dlse must have shape [B, Hq, Sq]");
-  if (auto e = check_token_arrays(shape, q_seg, q_pos, kv_seg, kv_pos); e.failure()) return e;
+  if (auto e = check_bwd_operands(shape, out, dout, lse, dlse, *dq, *dk, *dv, q_seg, q_pos, kv_seg, kv_pos);
+      e.failure())
+    return e;
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right,
                                          chunk_size, scale, deterministic);
   std::vector<float> qf, kf, vf, of, dof;

@@ -46,17 +46,14 @@ ffi::Error same_dtype(std::initializer_list<std::pair<const AnyBuffer*, const ch
   return ffi::Error::Success();
 }
 
-// head_dim_ok: whether this direction's kernels run the head dims for these arguments
+// Whether this direction's kernels run the head dims for these arguments
 // (attention_*_head_dim_supported; jaxcp.attention pads any other to one that they do).
-ffi::Error check_common(const AttentionShape& s, bool head_dim_ok,
-                        const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& q_pos,
-                        const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& kv_pos) {
-  if (!head_dim_ok)
-    return invalid("head_dim " + std::to_string(s.head_dim) + " with value head dim " + std::to_string(s.v_dim()) +
-                   " is not supported by the CUDA kernels here (64, 128 or 256; on sm_90 also 96 and 192, "
-                   "but for a deterministic backward or a forward with scale <= 0; V as wide as q and k but for "
-                   "192 / 128 on sm_90, where 96 and 192 run): pad them, as jaxcp.attention does");
-  return check_token_arrays(s, q_seg, q_pos, kv_seg, kv_pos);
+ffi::Error check_head_dims(const AttentionShape& s, bool head_dim_ok) {
+  if (head_dim_ok) return ffi::Error::Success();
+  return invalid("head_dim " + std::to_string(s.head_dim) + " with value head dim " + std::to_string(s.v_dim()) +
+                 " is not supported by the CUDA kernels here (64, 128 or 256; on sm_90 also 96 and 192, "
+                 "but for a deterministic backward or a forward with scale <= 0; V as wide as q and k but for "
+                 "192 / 128 on sm_90, where 96 and 192 run): pad them, as jaxcp.attention does");
 }
 
 ffi::Error launch_status(cudaError_t e, const char* what) {
@@ -89,13 +86,8 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
     return e;
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
                                          scale, /*deterministic=*/true);
-  if (auto e = check_common(shape, attention_fwd_head_dim_supported(a), q_seg, q_pos, kv_seg, kv_pos);
-      e.failure())
-    return e;
-  if (!has_out_shape(*out, shape))
-    return invalid("out must have shape [B, Sq, Hq, Dv], those of q but for v's head dim");
-  if (!dims_are(*lse, {shape.batch, shape.q_heads, shape.q_len}))
-    return invalid("lse must have shape [B, Hq, Sq]");
+  if (auto e = check_head_dims(shape, attention_fwd_head_dim_supported(a)); e.failure()) return e;
+  if (auto e = check_fwd_operands(shape, *out, *lse, q_seg, q_pos, kv_seg, kv_pos); e.failure()) return e;
   const size_t ws_bytes = attention_fwd_workspace_bytes(a);
   void* ws = nullptr;
   if (auto e = workspace_of(workspace, ws_bytes, &ws); e.failure()) return e;
@@ -127,19 +119,10 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
     return e;
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
                                          scale, deterministic);
-  if (auto e = check_common(shape, attention_bwd_head_dim_supported(a), q_seg, q_pos, kv_seg, kv_pos);
+  if (auto e = check_head_dims(shape, attention_bwd_head_dim_supported(a)); e.failure()) return e;
+  if (auto e = check_bwd_operands(shape, out, dout, lse, dlse, *dq, *dk, *dv, q_seg, q_pos, kv_seg, kv_pos);
       e.failure())
     return e;
-  if (!has_out_shape(out, shape) || !has_out_shape(dout, shape))
-    return invalid("out and dout must have shape [B, Sq, Hq, Dv], those of q but for v's head dim");
-  if (!dims_are(*dq, {shape.batch, shape.q_len, shape.q_heads, shape.head_dim}))
-    return invalid("dq must have the shape of q");
-  if (!dims_are(*dk, {shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim}) ||
-      !dims_are(*dv, {shape.batch, shape.kv_len, shape.kv_heads, shape.v_dim()}))
-    return invalid("dk and dv must have the shapes of k and v");
-  if (!dims_are(lse, {shape.batch, shape.q_heads, shape.q_len}) ||
-      !dims_are(dlse, {shape.batch, shape.q_heads, shape.q_len}))
-    return invalid("lse and dlse must have shape [B, Hq, Sq]");
   const size_t ws_bytes = attention_bwd_workspace_bytes(a);
   void* ws = nullptr;
   if (auto e = workspace_of(workspace, ws_bytes, &ws); e.failure()) return e;

@@ -544,7 +544,7 @@ template <class Element>
 cudaError_t dispatch_fwd_sm90(const FwdParams& p, int64_t batch, int64_t d, int64_t dv, cudaStream_t stream) {
   if (dv != d) {
     static_assert(sm90_value_head_dim(192, 128));
-    if (d == 192 && dv == 128) return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 192, 128>>(p, batch, stream);
+    if (sm90_value_head_dim(d, dv)) return launch_fwd_sm90_impl<FwdSm90TraitsFor<Element, 192, 128>>(p, batch, stream);
     return cudaErrorInvalidValue;
   }
   switch (d) {
