@@ -50,6 +50,12 @@ struct FwdSm90Traits {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kDv>, Int<kBN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutO = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBM>, Int<kDv>>{}));
+  // One consumer warpgroup's 64 rows of sO, the source of its TMA store: the layout's first 64
+  // rows. The second warpgroup's rows are the same layout kOHalf elements on (8 row atoms, a
+  // whole number of swizzle periods), as a host-side check of every (row, column) found for each
+  // value head dim (session 31) and the GPU tests' outputs confirm.
+  using SmemLayoutOHalf = decltype(composition(SmemLayoutO{}, Layout<Shape<_64, Int<kDv>>, Stride<_1, Int<kBM>>>{}));
+  static constexpr int kOHalf = 64 * int(size<1>(SmemAtomV{}));  // 8 atoms of 8 rows
 
   // Global views (token, d, head, batch); TMA fills rows past the sequence end with zeros.
   using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -61,6 +67,9 @@ struct FwdSm90Traits {
                                      Shape<Int<kBN>, Int<kD>>{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GTensor{}, take<0, 2>(SmemLayoutV{}),
                                      Shape<Int<kBN>, Int<kDv>>{}, _1{}));
+  using GTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeG{}, StrideG{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorOut{}, SmemLayoutOHalf{},
+                                     Shape<_64, Int<kDv>>{}, _1{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   static constexpr uint32_t kKTileBytes = kBN * kD * sizeof(Element);
@@ -116,6 +125,7 @@ struct FwdSm90Params {
   typename KT::TmaQ tma_q;
   typename KT::TmaK tma_k;
   typename KT::TmaV tma_v;
+  typename KT::TmaO tma_o;
 };
 
 // Work item t: (kv head, document tile, q head in group), document tiles last to first. Items
@@ -342,7 +352,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   typename KT::TiledMmaS mma_s;
   typename KT::TiledMmaO mma_o;
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutVt{});
-  Tensor sO = make_tensor(make_smem_ptr(KT::kSeparateO ? ss.o.data() : ss.q.data()), typename KT::SmemLayoutO{});
+  Element* const o_smem = KT::kSeparateO ? ss.o.data() : ss.q.data();
+  Tensor sO = make_tensor(make_smem_ptr(o_smem), typename KT::SmemLayoutO{});
 
   // Turn-taking between the two consumer warpgroups (named barriers 1 and 2; 3, 4: epilogue).
   auto sched_wait = [&]() { cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, 1 + wg); };
@@ -494,17 +505,41 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     Tensor rO = convert_type<Element>(acc_o);
     auto smem_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_o);
     auto thr_copy_o = smem_copy_o.get_thread_slice(tidx);
-    // The previous tile's O has left this warpgroup's rows of sO (each thread read other rows).
-    if constexpr (KT::kSeparateO) cutlass::arch::NamedBarrier::sync(128, 3 + wg);
-    cute::copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
-    cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sO
-    for (int idx = t_wg; idx < 64 * (Dv / 8); idx += 128) {
-      const int r = wg * 64 + idx / (Dv / 8), col = (idx % (Dv / 8)) * 8;
-      if (r < q_rows)
-        stg_128(out_ptr + r * p.o_row + col, lds_128(&sO(r, col)));
+    // The previous tile's O has left this warpgroup's rows of sO: its TMA store has read them,
+    // and each thread has read the other rows it stored itself.
+    if constexpr (KT::kSeparateO) {
+      if (t_wg == 0) tma_store_wait<0>();
+      cutlass::arch::NamedBarrier::sync(128, 3 + wg);
     }
-    if constexpr (!KT::kSeparateO) mbar_arrive(&ss.q_empty);
+    cute::copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
+    // A warpgroup whose 64 rows all belong to the tile stores them by one TMA store, so its
+    // threads go on to the next tile at once; otherwise the rows past the tile (the next
+    // document's tile) must stay untouched, and the threads store the tile's rows themselves.
+    const bool tma_rows = q_rows >= (wg + 1) * 64;
+    if (tma_rows) cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, 3 + wg);  // this warpgroup's rows of O are in sO
+    if (tma_rows) {
+      if (t_wg == 0) {
+        Tensor mO = P.tma_o.get_tma_tensor(make_shape(static_cast<int>(p.Sq), Dv, p.Hq, P.batch));
+        Tensor gO = local_tile(domain_offset(make_coord(ti.q0 + wg * 64, _0{}), mO(_, _, ti.h, ti.b)),
+                               Shape<_64, Int<Dv>>{}, make_coord(_0{}, _0{}));
+        Tensor sOh = make_tensor(make_smem_ptr(o_smem + wg * KT::kOHalf), typename KT::SmemLayoutOHalf{});
+        auto [tOg, tOs] = tma_partition(P.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sOh), group_modes<0, 2>(gO));
+        copy(P.tma_o, tOs, tOg);
+        tma_store_arrive();
+      }
+    } else {
+      for (int idx = t_wg; idx < 64 * (Dv / 8); idx += 128) {
+        const int r = wg * 64 + idx / (Dv / 8), col = (idx % (Dv / 8)) * 8;
+        if (r < q_rows) stg_128(out_ptr + r * p.o_row + col, lds_128(&sO(r, col)));
+      }
+    }
+    if constexpr (!KT::kSeparateO) {
+      if (t_wg == 0) tma_store_wait<0>();  // sO is sQ: read before the next Q may land
+      mbar_arrive(&ss.q_empty);
+    }
   }
+  if (threadIdx.x % 128 == 0) tma_store_wait<0>();  // shared memory read: the block may exit
 #endif
 }
 
@@ -524,6 +559,8 @@ cudaError_t launch_fwd_sm90_impl(const FwdParams& p, int64_t batch, cudaStream_t
                           Shape<Int<KT::kBN>, Int<D>>{}, _1{});
   P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, tma_global_view<Element, Dv>(p.v, p.Skv, hkv, batch),
                           take<0, 2>(typename KT::SmemLayoutV{}), Shape<Int<KT::kBN>, Int<Dv>>{}, _1{});
+  P.tma_o = make_tma_copy(SM90_TMA_STORE{}, tma_global_view<Element, Dv>(p.out, p.Sq, p.Hq, batch),
+                          typename KT::SmemLayoutOHalf{}, Shape<_64, Int<Dv>>{}, _1{});
   auto kernel = attention_fwd_sm90_kernel<KT>;
   static unsigned smem_done = 0;
   cudaError_t err = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), KT::kSmemBytes, &smem_done);
