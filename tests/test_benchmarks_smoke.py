@@ -45,3 +45,26 @@ def test_cudnn_packed_args_are_starts_only():
   seqlen, offsets = cudnn_packed_args([[3, 5, 2], [10]], batch=2)
   np.testing.assert_array_equal(seqlen, [[3, 5, 2], [10, -1, -1]])
   np.testing.assert_array_equal(offsets, [[0, 3, 8, -1], [0, -1, -1, -1]])
+
+
+def test_ratio_summary_drops_peers_with_wrong_output():
+  """A peer whose output disagrees with jaxcp's gets no ratio ("wrong output") and stays out of
+  the geometric means; padded cases count in "all" only."""
+  sys.path.insert(0, BENCH)
+  try:
+    from bench_attention import _ratio, ratio_summary
+  finally:
+    sys.path.remove(BENCH)
+
+  def case(pad, jax_tf, peer_tf, err):
+    return dict(case=dict(pad=pad), jaxcp=dict(fwd_tflops=jax_tf, fwd_bwd_tflops=jax_tf),
+                cudnn_packed=dict(fwd_tflops=peer_tf, fwd_bwd_tflops=peer_tf, rel_err_vs_jaxcp=err))
+
+  results = [case(0, 200.0, 100.0, 1e-3), case(0, 100.0, 200.0, 2e-3), case(300, 300.0, 100.0, 1e-3),
+             case(0, 100.0, 400.0, 1.3), case(0, 100.0, 400.0, float("nan"))]
+  assert _ratio(results[3]["jaxcp"], results[3]["cudnn_packed"], "fwd_tflops") == "wrong output"
+  assert _ratio(results[0]["jaxcp"], results[0]["cudnn_packed"], "fwd_tflops") == "2.00x"
+  s = ratio_summary(results)
+  assert s["unpadded_fwd_tflops"] == dict(cases=2, geomean=1.0)
+  assert s["all_fwd_bwd_tflops"]["cases"] == 3
+  np.testing.assert_allclose(s["all_fwd_bwd_tflops"]["geomean"], 3.0 ** (1 / 3))
