@@ -245,10 +245,10 @@ def _ratio_value(a, b, key):
 
 
 def _ratio(a, b, key):
-  if b and "error" not in b and not _peer_agrees(b):
-    return "wrong output"
   v = _ratio_value(a, b, key)
-  return "-" if v is None else f"{v:.2f}x"
+  if v is not None:
+    return f"{v:.2f}x"
+  return "wrong output" if b and "error" not in b and not _peer_agrees(b) else "-"
 
 
 def ratio_summary(results):
@@ -267,11 +267,11 @@ def ratio_summary(results):
 
 def _summary_md(summary):
   parts = []
-  for label in ("unpadded", "all"):
+  for label in ("unpadded", "all"):  # an implementation has both times or an error: same cases
     f, b = summary[f"{label}_fwd_tflops"], summary[f"{label}_fwd_bwd_tflops"]
     if f["geomean"] is not None:
-      parts.append(f"{label} ({f['cases']} cases): forward {f['geomean']:.3f}x"
-                   + (f", forward+backward {b['geomean']:.3f}x" if b["geomean"] is not None else ""))
+      parts.append(f"{label} ({f['cases']} cases): forward {f['geomean']:.3f}x, "
+                   f"forward+backward {b['geomean']:.3f}x")
   return ("Geometric mean of jaxcp / cuDNN over the cases with a cuDNN result that agrees with jaxcp's: "
           + "; ".join(parts) + ".") if parts else ""
 
