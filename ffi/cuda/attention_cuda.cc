@@ -11,6 +11,7 @@
 #include "../common/attention_binding.h"
 #include "../common/ffi_helpers.h"
 #include "attention_kernels.h"
+#include "capture_counts.h"
 #include "cuda_handlers.h"
 
 namespace jaxcp::cuda {
@@ -78,6 +79,7 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
                             ffi::ResultBuffer<ffi::F32> lse, ffi::Result<AnyBuffer> workspace,
                             bool is_causal, int64_t window_left,
                             int64_t window_right, int64_t chunk_size, float scale) {
+  count_call(Handler::kAttentionFwd, stream);
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
   if (auto e = value_dim_from(v, &shape); e.failure()) return e;
@@ -108,6 +110,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
                             ffi::Result<AnyBuffer> workspace, bool is_causal,
                             int64_t window_left, int64_t window_right, int64_t chunk_size,
                             float scale, bool deterministic) {
+  count_call(Handler::kAttentionBwd, stream);
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
   if (auto e = value_dim_from(v, &shape); e.failure()) return e;

@@ -2,8 +2,11 @@
 // and the workspace sizes the attention handlers expect as their last result buffer.
 #include <nanobind/nanobind.h>
 
+#include <utility>
+
 #include "../common/attention_shape.h"
 #include "attention_kernels.h"
+#include "capture_counts.h"
 #include "cuda_handlers.h"
 
 namespace nb = nanobind;
@@ -43,6 +46,21 @@ NB_MODULE(_jaxcp_cuda, m) {
     a.shape.value_dim = dv;
     a.scale = scale;
     return fwd ? jaxcp::cuda::attention_fwd_head_dim_supported(a) : jaxcp::cuda::attention_bwd_head_dim_supported(a);
+  });
+  // {handler: (calls, calls while its stream was captured into a CUDA graph)}, counted while
+  // JAXCP_COUNT_CAPTURES is set (tests of command buffers).
+  m.def("handler_call_counts", []() {
+    using jaxcp::cuda::Handler;
+    nb::dict d;
+    const std::pair<const char*, Handler> handlers[] = {{"jaxcp_attention_fwd", Handler::kAttentionFwd},
+                                                        {"jaxcp_attention_bwd", Handler::kAttentionBwd},
+                                                        {"jaxcp_small_seq_fwd", Handler::kSmallSeqFwd},
+                                                        {"jaxcp_small_seq_bwd", Handler::kSmallSeqBwd}};
+    for (const auto& [name, h] : handlers) {
+      const jaxcp::cuda::CallCounts c = jaxcp::cuda::call_counts(h);
+      d[name] = nb::make_tuple(c.calls, c.captured);
+    }
+    return d;
   });
   // Sizes for the current device (the backward's depends on its multiprocessor count).
   m.def("attention_fwd_workspace_bytes",

@@ -11,6 +11,7 @@
 
 #include "../common/ffi_helpers.h"
 #include "../common/small_seq_checks.h"
+#include "capture_counts.h"
 #include "cuda_handlers.h"
 #include "small_seq_kernels.h"
 
@@ -67,6 +68,7 @@ ffi::Error status(cudaError_t launch, const char* what) {
 ffi::Error SmallSeqFwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuffer v,
                            I32 kv_start, I32 kv_len, I32 kv_mask, ffi::Result<AnyBuffer> out,
                            ffi::ResultBuffer<ffi::F32> probs, int64_t max_len, float scale) {
+  count_call(Handler::kSmallSeqFwd, stream);
   SmallSeqArgs a;
   SmallSeqDType dtype;
   if (auto e = shape_of(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, &a, &dtype);
@@ -84,6 +86,7 @@ ffi::Error SmallSeqBwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuf
                            ffi::Buffer<ffi::F32> probs, AnyBuffer dout, I32 kv_start, I32 kv_len,
                            I32 kv_mask, ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
                            ffi::Result<AnyBuffer> dv, int64_t max_len, float scale) {
+  count_call(Handler::kSmallSeqBwd, stream);
   SmallSeqArgs a;
   SmallSeqDType dtype;
   if (auto e = shape_of(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, &a, &dtype);

@@ -1,0 +1,28 @@
+#include "capture_counts.h"
+
+#include <atomic>
+
+#include "../common/env_flag.h"
+
+namespace jaxcp::cuda {
+namespace {
+
+constexpr int kHandlers = static_cast<int>(Handler::kCount);
+std::atomic<int64_t> g_calls[kHandlers];
+std::atomic<int64_t> g_captured[kHandlers];
+
+}  // namespace
+
+void count_call(Handler h, cudaStream_t stream) {
+  if (!env_flag("JAXCP_COUNT_CAPTURES")) return;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) (void)cudaGetLastError();
+  g_calls[static_cast<int>(h)]++;
+  if (status == cudaStreamCaptureStatusActive) g_captured[static_cast<int>(h)]++;
+}
+
+CallCounts call_counts(Handler h) {
+  return {g_calls[static_cast<int>(h)].load(), g_captured[static_cast<int>(h)].load()};
+}
+
+}  // namespace jaxcp::cuda
