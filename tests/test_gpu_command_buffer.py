@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 TARGETS = ("jaxcp_attention_fwd", "jaxcp_attention_bwd", "jaxcp_small_seq_fwd", "jaxcp_small_seq_bwd")
 EXACT = 9  # _program's outputs that must match bit for bit: attention out, lse, dq, dk, dv; small-seq out, dq, dk, dv
-RUNS = 4
+RUN_SEEDS = (0, 1, 0, 0)  # the inputs of the runs: A, B, A, A
+RUNS = len(RUN_SEEDS)
 
 
 def _inputs(seed):
@@ -77,12 +78,12 @@ def _program(x):
 def child_main(out_path):
   """Runs in a child process, with command buffers forced on (COMMAND_BUFFER_FLAGS) or off."""
   fn = jax.jit(_program)
-  a, b = _inputs(0), _inputs(1)
+  inputs = {seed: _inputs(seed) for seed in set(RUN_SEEDS)}
   arrays = {}
-  for i, x in enumerate((a, b, a, a)[:RUNS]):
+  for i, seed in enumerate(RUN_SEEDS):
     # Each call's outputs are copied out and freed before the next, so that a call may get the
     # last one's buffers back and XLA may replay the graph instead of capturing it again.
-    arrays.update({f"run{i}_{j}": np.asarray(jnp.asarray(r, jnp.float32)) for j, r in enumerate(fn(x))})
+    arrays.update({f"run{i}_{j}": np.asarray(jnp.asarray(r, jnp.float32)) for j, r in enumerate(fn(inputs[seed]))})
   counts = importlib.import_module("jaxcp._jaxcp_cuda").handler_call_counts()
   np.savez(out_path, **{f"calls_{t}": np.array(counts[t]) for t in TARGETS}, **arrays)
 
@@ -113,7 +114,7 @@ def test_handlers_replay_in_command_buffers(tmp_path):
     assert captured >= plain_calls // RUNS and calls < plain_calls, (t, calls, captured, plain_calls)
   n_outputs = sum(name.startswith("run0_") for name in plain.files)
   assert n_outputs == EXACT + 3
-  for run in range(RUNS):  # inputs A, B, A, A
+  for run in range(RUNS):
     for j in range(n_outputs):
       got, want, what = graphs[f"run{run}_{j}"], plain[f"run{run}_{j}"], f"run {run}, output {j}"
       if j < EXACT:
