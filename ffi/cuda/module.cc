@@ -38,11 +38,10 @@ NB_MODULE(_jaxcp_cuda, m) {
     return d;
   });
   // Whether the forward (fwd=True) or backward kernels run head dim d and value head dim dv with
-  // this window, scale and deterministic flag on the current device; jaxcp.attention pads any
-  // others to ones that they run.
-  m.def("attention_head_dim_supported",
-        [](bool fwd, int64_t d, int64_t dv, int64_t wl, float scale, bool deterministic) {
-    jaxcp::AttentionArgs a = args_of(1, 1, 1, 1, 1, d, false, wl, -1, 0, deterministic);
+  // this scale and deterministic flag on the current device (no other argument decides it);
+  // jaxcp.attention pads any others to ones that they run.
+  m.def("attention_head_dim_supported", [](bool fwd, int64_t d, int64_t dv, float scale, bool deterministic) {
+    jaxcp::AttentionArgs a = args_of(1, 1, 1, 1, 1, d, false, -1, -1, 0, deterministic);
     a.shape.value_dim = dv;
     a.scale = scale;
     return fwd ? jaxcp::cuda::attention_fwd_head_dim_supported(a) : jaxcp::cuda::attention_bwd_head_dim_supported(a);

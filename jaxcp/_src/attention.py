@@ -89,14 +89,13 @@ def _kernel_attention_bwd(config, widths, residuals, cotangents):
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
-def _kernel_head_dims(impl, d, dv, spec, scale, deterministic):
+def _kernel_head_dims(impl, d, dv, scale, deterministic):
   """((head dim, value head dim) of the forward kernels, (the same) of the backward's) for head
   dims d and dv: themselves on the CPU; on CUDA the next the kernels have tiles for on this device
   (registry.cuda_kernel_head_dims)."""
   if impl != "cuda":
     return (d, dv), (d, dv)
-  return tuple(registry.cuda_kernel_head_dims(direction, d, dv, spec.window_left, scale, deterministic)
-               for direction in ("fwd", "bwd"))
+  return tuple(registry.cuda_kernel_head_dims(direction, d, dv, scale, deterministic) for direction in ("fwd", "bwd"))
 
 
 def _pad_head_dim(x, width):
@@ -193,6 +192,6 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   else:
     registry.ensure_registered()
     config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis)
-    widths = _kernel_head_dims(impl, d, dv, spec, float(scale), deterministic)
+    widths = _kernel_head_dims(impl, d, dv, float(scale), deterministic)
     out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config, widths)
   return (out, lse) if return_residual else out

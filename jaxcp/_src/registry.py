@@ -81,16 +81,14 @@ def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, determini
 CUDA_KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
-def cuda_kernel_head_dims(direction: str, d: int, dv: int, window_left: int, scale: float,
-                          deterministic: bool) -> tuple[int, int]:
+def cuda_kernel_head_dims(direction: str, d: int, dv: int, scale: float, deterministic: bool) -> tuple[int, int]:
   """(head dim, value head dim) the CUDA attention kernels of `direction` ("fwd" / "bwd") run for
   head dims d and dv on the current device: w, the smallest width they support that is at least
   both (<= 256), and for V the smallest width from dv up that they run next to w (w itself but
   for multi-head latent attention's 192 / 128 in the sm_90a kernels). Not cached: the development
   switch JAXCP_DISABLE_SM90 is read at each call."""
   module = _load("CUDA")
-  runs = lambda w, wv: module.attention_head_dim_supported(direction == "fwd", w, wv, window_left, scale,
-                                                           deterministic)
+  runs = lambda w, wv: module.attention_head_dim_supported(direction == "fwd", w, wv, scale, deterministic)
   w = next(w for w in CUDA_KERNEL_HEAD_DIMS if w >= max(d, dv) and runs(w, w))
   wv = next(wv for wv in CUDA_KERNEL_HEAD_DIMS if dv <= wv <= w and (wv == w or runs(w, wv)))
   return w, wv
