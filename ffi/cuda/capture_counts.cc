@@ -14,7 +14,8 @@ std::atomic<int64_t> g_captured[kHandlers];
 }  // namespace
 
 void count_call(Handler h, cudaStream_t stream) {
-  if (!env_flag("JAXCP_COUNT_CAPTURES")) return;
+  static const bool counting = env_flag("JAXCP_COUNT_CAPTURES");  // read once: off the hot path
+  if (!counting) return;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) (void)cudaGetLastError();
   g_calls[static_cast<int>(h)]++;

@@ -1,6 +1,6 @@
 // Test counters: how often each CUDA handler ran, and how often its stream was being captured
-// into a CUDA graph (an XLA command buffer) when it did. Counted only while JAXCP_COUNT_CAPTURES
-// is set (tests/test_gpu_command_buffer.py); otherwise a handler call costs one getenv.
+// into a CUDA graph (an XLA command buffer) when it did. Counted only in a process started with
+// JAXCP_COUNT_CAPTURES set (tests/test_gpu_command_buffer.py; read at the first call).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -46,8 +46,8 @@ NB_MODULE(_jaxcp_cuda, m) {
     a.scale = scale;
     return fwd ? jaxcp::cuda::attention_fwd_head_dim_supported(a) : jaxcp::cuda::attention_bwd_head_dim_supported(a);
   });
-  // {handler: (calls, calls while its stream was captured into a CUDA graph)}, counted while
-  // JAXCP_COUNT_CAPTURES is set (tests of command buffers).
+  // {handler: (calls, calls while its stream was captured into a CUDA graph)}, counted in a
+  // process started with JAXCP_COUNT_CAPTURES set (tests of command buffers).
   m.def("handler_call_counts", []() {
     using jaxcp::cuda::Handler;
     nb::dict d;
