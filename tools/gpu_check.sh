@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One command on a GPU host: build jaxcp with the CUDA extension, run the GPU tests, a
-# compute-sanitizer memcheck of a small case, and the benchmarks. Outputs go to $OUT (the
-# device tool's folder) or ./gpu_results.
+# One command on a GPU host: build jaxcp with the CUDA extension, run the GPU tests,
+# compute-sanitizer's four tools over small cases (tools/gpu_sanitize.sh), and the benchmarks.
+# Outputs go to $OUT (the device tool's folder) or ./gpu_results.
 #   bash tools/gpu_check.sh [tests|bench|all]   (default all)
 # Offline hosts: put nvidia-cutlass (and any other missing wheel) in .whl/ first.
 set -uo pipefail
@@ -16,9 +16,9 @@ rc=0
 if [[ "$what" == "tests" || "$what" == "all" ]]; then
   bash tools/gpu_tests.sh
   rc=$?
-  # memcheck of a small case through the whole JAX/FFI stack
-  compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitizer_case.py > "$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $? ($(grep -c 'Invalid' "$OUT/memcheck.log") invalid accesses)"; tail -3 "$OUT/memcheck.log"
+  # compute-sanitizer's memcheck, initcheck, synccheck and racecheck over small cases through
+  # the whole JAX/FFI stack (about 2 minutes)
+  bash tools/gpu_sanitize.sh || rc=1
 fi
 if [[ "$what" == "bench" || "$what" == "all" ]]; then
   python3 benchmarks/bench_attention.py --out "$OUT" 2>&1 | tail -25

@@ -32,27 +32,8 @@ if [[ "$what" == "bench" || "$what" == "all" ]]; then
   [[ $rc -eq 0 ]] && rc=$brc
 fi
 if [[ "$what" == "memcheck" ]]; then
-  timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 - > "$OUT/small_seq_memcheck.log" 2>&1 <<'EOF'
-import jax, jax.numpy as jnp, numpy as np
-from jaxcp import small_seq_attention
-rng = np.random.default_rng(0)
-r = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32), jnp.bfloat16)
-def grads(f, q, k, v):
-  out, pull = jax.vjp(f, q, k, v)
-  return jax.block_until_ready((out,) + pull(jnp.ones_like(out)))
-b, s = 3000, 11
-lengths = jnp.asarray(rng.integers(-3, s + 4, b), jnp.int32)  # out of range: clamped
-for hq, hkv, d in ((8, 2, 128), (6, 2, 256), (4, 4, 512)):
-  grads(lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths),
-        r(b, hq, d), r(b, s, hkv, d), r(b, s, hkv, d))
-lens = rng.integers(0, 21, b)
-cu = np.concatenate([[5], 5 + np.cumsum(lens)]).astype(np.int32)
-cu[-1] += 1000  # past the end: clamped
-t = int(cu[-2]) + 7
-grads(lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu),
-      r(b, 8, 64), r(t, 2, 64), r(t, 2, 64))
-print("small-seq memcheck case done")
-EOF
+  timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitizer_small_seq_case.py \
+    > "$OUT/small_seq_memcheck.log" 2>&1
   rc=$?
   echo "memcheck exit $rc ($(grep -c 'Invalid' "$OUT/small_seq_memcheck.log") invalid accesses)"
   tail -3 "$OUT/small_seq_memcheck.log"

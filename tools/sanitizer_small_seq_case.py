@@ -1,0 +1,28 @@
+"""Small-sequence attention calls for compute-sanitizer: lengths out of range (clamped), ragged
+cu_seqlens past the end, GQA, head dims 64-512, forward and gradients."""
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxcp import small_seq_attention  # noqa: E402
+
+rng = np.random.default_rng(0)
+r = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32), jnp.bfloat16)
+def grads(f, q, k, v):
+  out, pull = jax.vjp(f, q, k, v)
+  return jax.block_until_ready((out,) + pull(jnp.ones_like(out)))
+b, s = 3000, 11
+lengths = jnp.asarray(rng.integers(-3, s + 4, b), jnp.int32)  # out of range: clamped
+for hq, hkv, d in ((8, 2, 128), (6, 2, 256), (4, 4, 512)):
+  grads(lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths),
+        r(b, hq, d), r(b, s, hkv, d), r(b, s, hkv, d))
+lens = rng.integers(0, 21, b)
+cu = np.concatenate([[5], 5 + np.cumsum(lens)]).astype(np.int32)
+cu[-1] += 1000  # past the end: clamped
+t = int(cu[-2]) + 7
+grads(lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu),
+      r(b, 8, 64), r(t, 2, 64), r(t, 2, 64))
+print("small-seq memcheck case done")
