@@ -1,6 +1,15 @@
-"""A small packed-attention forward+backward (and its deterministic backward) for compute-sanitizer
-(no XLA autotuning noise). Head dims from the command line, default all; D:DV gives V a head dim
-of its own; --forward runs the forward alone: python3 sanitizer_case.py [--forward] 192 192:128"""
+"""Packed-attention forward+backward (and its deterministic backward) for compute-sanitizer (no
+XLA autotuning noise). Head dims from the command line, default all; D:DV gives V a head dim of
+its own; --forward runs the forwards alone: python3 sanitizer_case.py [--forward] 192 192:128
+
+Two shapes per head dim:
+- short: 2 rows of 250 tokens (five documents, one of a single token; row 1 padded from 200),
+  causal with a window of 40; 4 query heads on 2 kv heads (the sm_90a backward splits the groups:
+  float32 partial dK / dV) and 2 on 2 (dK / dV by TMA stores, the last key tile ragged);
+- long: 1 row of 4096 tokens, documents of 25-1276 tokens and 96 of padding, causal, 8 query heads on 2: more query
+  tiles than multiprocessors, so that the persistent forward takes several tiles per block and
+  reuses its shared memory, and the backward's query pipeline wraps around many times.
+"""
 import os
 import sys
 
@@ -11,24 +20,30 @@ import numpy as np  # noqa: E402
 
 import jaxcp  # noqa: E402
 
-seg = np.repeat(np.arange(1, 6, dtype=np.int32), [1, 70, 33, 100, 46])[None].repeat(2, 0)
-seg[1, 200:] = 0
-# 96, 192: sm_90a's own tiles; 192:128, multi-head latent attention's (V 128 in the sm_90a kernels).
 forward_only = "--forward" in sys.argv
+# 96, 192: sm_90a's own tiles; 192:128, multi-head latent attention's (V 128 in the sm_90a kernels).
 dims = [tuple(int(x) for x in (a + ":" + a.split(":")[0]).split(":")[:2])
         for a in [a for a in sys.argv[1:] if a != "--forward"] or ("64", "96", "128", "192", "256", "192:128")]
-# 4 query heads on 2 kv heads: the sm_90a backward splits the groups (float32 partial dK / dV);
-# 2 on 2: one block per key tile and head, dK / dV by TMA stores (the last key tile ragged).
-for q_heads in (4, 2):
+
+short_seg = np.repeat(np.arange(1, 6, dtype=np.int32), [1, 70, 33, 100, 46])[None].repeat(2, 0)
+short_seg[1, 200:] = 0
+long_lengths = np.random.default_rng(0).integers(1, 1500, 12)
+long_seg = np.pad(np.repeat(np.arange(1, 13, dtype=np.int32), long_lengths)[:4000], (0, 96))[None]
+# (segment ids, query heads, window)
+shapes = [(short_seg, 4, (40, 0)), (short_seg, 2, (40, 0)), (long_seg, 8, None)]
+
+for seg, q_heads, window in shapes:
+  b, s = seg.shape
   for d, dv in dims:
     for deterministic in (False,) if forward_only else (False, True):
       key = jax.random.PRNGKey(d)
-      q = jax.random.normal(key, (2, 250, q_heads, d), jnp.bfloat16)
-      k = jax.random.normal(jax.random.fold_in(key, 1), (2, 250, 2, d), jnp.bfloat16)
-      v = jax.random.normal(jax.random.fold_in(key, 2), (2, 250, 2, dv), jnp.bfloat16)
-      do = jax.random.normal(jax.random.fold_in(key, 3), (2, 250, q_heads, dv), jnp.bfloat16)
-      def attend(q, k, v, deterministic=deterministic):
-        return jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, local_window_size=(40, 0),
+      q = jax.random.normal(key, (b, s, q_heads, d), jnp.bfloat16)
+      k = jax.random.normal(jax.random.fold_in(key, 1), (b, s, 2, d), jnp.bfloat16)
+      v = jax.random.normal(jax.random.fold_in(key, 2), (b, s, 2, dv), jnp.bfloat16)
+      do = jax.random.normal(jax.random.fold_in(key, 3), (b, s, q_heads, dv), jnp.bfloat16)
+
+      def attend(q, k, v, seg=seg, window=window, deterministic=deterministic):
+        return jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, local_window_size=window,
                                deterministic=deterministic)
       f = jax.jit(attend if forward_only else lambda q, k, v: jax.vjp(attend, q, k, v)[1](do))
       jax.block_until_ready(f(q, k, v))
