@@ -39,7 +39,7 @@ run() {
   [[ "$case" == small_seq ]] && { script=tools/sanitizer_small_seq_case.py; args=(); }
   # initcheck: every kernel, one line per report (a full backtrace each makes thousands slow).
   [[ "$tool" == initcheck ]] && flags=(--print-limit 0 --show-backtrace no)
-  # racecheck: hazards (errors), not warnings about benign same-value writes.
+  # racecheck: every hazard with its threads and source lines, not only the analysis summary.
   [[ "$tool" == racecheck ]] && flags+=(--racecheck-report hazard)
   log="$OUT/sanitize_${name}.log"
   local t0=$SECONDS

@@ -6,9 +6,9 @@ Two shapes per head dim:
 - short: 2 rows of 250 tokens (five documents, one of a single token; row 1 padded from 200),
   causal with a window of 40; 4 query heads on 2 kv heads (the sm_90a backward splits the groups:
   float32 partial dK / dV) and 2 on 2 (dK / dV by TMA stores, the last key tile ragged);
-- long: 1 row of 4096 tokens, documents of 25-1276 tokens and 96 of padding, causal, 8 query heads on 2: more query
-  tiles than multiprocessors, so that the persistent forward takes several tiles per block and
-  reuses its shared memory, and the backward's query pipeline wraps around many times.
+- long: 1 row of 4096 tokens, documents of 25-1276 tokens and 96 of padding, causal, 8 query
+  heads on 2: more query tiles than multiprocessors, so that the persistent forward takes several
+  tiles per block and reuses its shared memory, and the backward's query pipeline wraps around.
 """
 import os
 import sys

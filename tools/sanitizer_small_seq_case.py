@@ -25,4 +25,4 @@ cu[-1] += 1000  # past the end: clamped
 t = int(cu[-2]) + 7
 grads(lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu),
       r(b, 8, 64), r(t, 2, 64), r(t, 2, 64))
-print("small-seq memcheck case done")
+print("small-seq sanitizer case done")
