@@ -297,12 +297,14 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // softmax right after its S GEMM reads them.
         auto load_k = [&](int key_tile, int cls, bool more) {
           const int slot = static_cast<int>(write_k.count() % KT::kMaskSlots);  // key tiles so far
-          if (lane == 0) {
-            pipe_k.producer_acquire(write_k);
-            copy(P.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKg(_, key_tile), tKs(_, write_k.index()));
-          }
+          // Every lane waits for the stage to be free, so the mask slot is free (kMaskSlots) for
+          // its own copies below by a wait of its own: ordered through lane 0's wait and a
+          // __syncwarp, racecheck reported them as hazards (session 33). Thread 0 alone, the
+          // pipeline's leader, arms the stage's transaction bytes and issues the TMA load.
+          pipe_k.producer_acquire(write_k);
+          if (lane == 0) copy(P.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKg(_, key_tile), tKs(_, write_k.index()));
           ++write_k;
-          __syncwarp();  // lane 0 acquired the stage: the mask slot is free (kMaskSlots)
+          __syncwarp();
           if (cls == kPartial) {
             ColMask* cols = ss.cols[slot];
 #pragma unroll 1  // two call sites: unrolled, the producer's registers ran out
