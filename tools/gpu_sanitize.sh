@@ -16,8 +16,9 @@
 # backward's pre-pass would seem to read O unwritten. initcheck therefore runs the attention case
 # on the sm_80 kernels (JAXCP_DISABLE_SM90=1), forward and backward, and on the sm_90a forward
 # alone. (The sm_90a backward loads its operands by TMA, which initcheck does not check anyway.)
-# racecheck orders a thread's accesses after another thread's mbarrier wait only when it waited
-# itself: a __syncwarp after a lane's wait did not count (benchmarks/README.md, session 33).
+# racecheck counts a thread's accesses as ordered after an mbarrier wait only if that thread
+# waited itself; a __syncwarp after another lane's wait does not count (benchmarks/README.md,
+# session 33).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_results}"
