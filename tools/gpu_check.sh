@@ -17,7 +17,7 @@ if [[ "$what" == "tests" || "$what" == "all" ]]; then
   bash tools/gpu_tests.sh
   rc=$?
   # compute-sanitizer's memcheck, initcheck, synccheck and racecheck over small cases through
-  # the whole JAX/FFI stack (about 2 minutes)
+  # the whole JAX/FFI stack (3-5 minutes on an H200)
   bash tools/gpu_sanitize.sh || rc=1
 fi
 if [[ "$what" == "bench" || "$what" == "all" ]]; then

@@ -30,8 +30,9 @@ tools=("$@")
 read -r -a dims <<< "${JAXCP_SANITIZE_DIMS:-}"
 rc=0
 
-# run <tool> <case> <log name> [env ...]: one compute-sanitizer run; prints its summary line.
-# Case attention_fwd: the attention case's forward alone.
+# run <tool> <case> <log name> [env ...]: one compute-sanitizer run; prints its summary line and
+# leaves its exit status in $status and its log's path in $log. Case attention_fwd: the
+# attention case's forward alone.
 run() {
   local tool=$1 case=$2 name=$3 script=tools/sanitizer_case.py
   shift 3

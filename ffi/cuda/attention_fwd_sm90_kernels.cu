@@ -297,14 +297,14 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // softmax right after its S GEMM reads them.
         auto load_k = [&](int key_tile, int cls, bool more) {
           const int slot = static_cast<int>(write_k.count() % KT::kMaskSlots);  // key tiles so far
-          // Every lane waits for the stage to be free, so the mask slot is free (kMaskSlots) for
-          // its own copies below by a wait of its own: ordered through lane 0's wait and a
-          // __syncwarp, racecheck reported them as hazards (session 33). Thread 0 alone, the
-          // pipeline's leader, arms the stage's transaction bytes and issues the TMA load.
+          // A free K stage means a free mask slot (kMaskSlots). Every lane waits for it itself
+          // before copying into the slot: when lanes 1-31 followed lane 0's wait through a
+          // __syncwarp, racecheck reported their copies as hazards (session 33). Only thread 0,
+          // the pipeline's leader, arms the stage's transaction bytes; lane 0 issues the load.
           pipe_k.producer_acquire(write_k);
           if (lane == 0) copy(P.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKg(_, key_tile), tKs(_, write_k.index()));
           ++write_k;
-          __syncwarp();
+          __syncwarp();  // the warp together again after lane 0's load
           if (cls == kPartial) {
             ColMask* cols = ss.cols[slot];
 #pragma unroll 1  // two call sites: unrolled, the producer's registers ran out
