@@ -1,5 +1,9 @@
 """Packed-document attention: jaxcp vs JAX's cuDNN (packed q_offsets form and dense causal) and
 XLA, side by side in one process, with a bf16 matmul and a device copy measured in the same run.
+cuDNN's packed form runs twice: with the rows' own document count as its capacity M (its best
+case; the ratios and geometric means are against it) and with M = S/128 ("cudnn_static": the
+fixed capacity a jitted training loop needs, see static_doc_capacity). Every peer's output and
+gradients are checked against jaxcp's; a peer that computes something else gets no ratio.
 
 FLOPs count allowed pairs only: forward 2*(D+Dv)*Hq*pairs (4*D*Hq*pairs when V's head dim Dv is
 D), forward+backward 3.5x that.
@@ -76,12 +80,15 @@ QUICK_CASES = [
 ]
 
 
-def cudnn_packed_args(rows, batch):
+def cudnn_packed_args(rows, batch, max_docs=None):
   """JAX cuDNN's packed-document arguments: q_seqlen [B, M] (document lengths, -1 after the
   last) and q_offsets [B, M + 1] (document starts within the row, -1 after the last start: JAX
   adds the row offsets itself and drops the -1s, so an end offset here would be read as the
-  next row's first document and shift every later row by one document)."""
-  max_docs = max(len(r) for r in rows)
+  next row's first document and shift every later row by one document). M is max_docs, or the
+  most documents any row has."""
+  max_docs = max_docs or max(len(r) for r in rows)
+  if max_docs < max(len(r) for r in rows):
+    raise ValueError(f"max_docs={max_docs} is below a row's document count")
   seqlen = np.full((batch, max_docs), -1, np.int32)
   offsets = np.full((batch, max_docs + 1), -1, np.int32)
   for b, lengths in enumerate(rows):
@@ -90,13 +97,25 @@ def cudnn_packed_args(rows, batch):
   return seqlen, offsets
 
 
-def _cudnn_packed(case: Case, rows, dtype):
-  """JAX's cuDNN attention in its packed-document form (q_seqlen/q_offsets), or None."""
+def static_doc_capacity(seq_len):
+  """The document capacity M of the "cudnn_static" peer: one document per 128 tokens.
+
+  Under jit, q_seqlen / q_offsets need a shape that stays fixed while the number of documents
+  per row changes from batch to batch, so a training loop passes a capacity rather than the
+  batch's count (which recompiles whenever it changes). JAX's cuDNN packed backward needs more
+  memory and time as M grows: at M = S/128 it ran out of memory on an H200 on 4 x 16k with 32/8
+  heads and on every 64k and 128k row, where the rows' own count ran (session 34)."""
+  return seq_len // 128
+
+
+def _cudnn_packed(case: Case, rows, dtype, max_docs=None):
+  """JAX's cuDNN attention in its packed-document form (q_seqlen/q_offsets) with document
+  capacity max_docs (default: the most documents any row has), or None."""
   if case.chunk is not None:
     return None  # cuDNN has no chunked mask
   from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-  seqlen, offsets = map(jnp.asarray, cudnn_packed_args(rows, case.batch))
+  seqlen, offsets = map(jnp.asarray, cudnn_packed_args(rows, case.batch, max_docs))
   scale = case.head_dim ** -0.5
 
   def f(q, k, v):
@@ -173,6 +192,7 @@ def run_case(case: Case, dtype, quick: bool):
   impls = {"jaxcp": _jaxcp(case, seg, pos)}
   if not quick:
     impls["cudnn_packed"] = _cudnn_packed(case, rows, dtype)
+    impls["cudnn_static"] = _cudnn_packed(case, rows, dtype, static_doc_capacity(case.seq_len))
     impls["cudnn_dense"] = _cudnn_dense(case)
   if case.xla:
     impls["xla"] = _jaxcp(case, seg, pos, implementation="xla")
@@ -191,8 +211,8 @@ def run_case(case: Case, dtype, quick: bool):
       if "OOM" not in result[name]["error"]:
         traceback.print_exc(limit=2)
   times = common.time_interleaved(calls) if calls else {}
-  del calls
-  reference = None  # jaxcp's output: every other implementation is checked against it
+  reference = None  # jaxcp's output and gradients: every other implementation is checked against them
+  live = seg != 0
   for name, fn in impls.items():
     if fn is None or name in result:
       continue
@@ -203,13 +223,19 @@ def run_case(case: Case, dtype, quick: bool):
       continue
     result[name] = dict(fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fb * 1e3, fwd_tflops=fwd_flops / t_fwd / 1e12,
                         fwd_bwd_tflops=3.5 * fwd_flops / t_fb / 1e12)
-    out = jax.jit(fn)(q, k, v)
+    out = calls[(name, "fwd")][0](q, k, v)
+    grads = calls[(name, "fwd_bwd")][0](q, k, v, dout)  # dq, dk, dv
     if reference is None:
-      reference = out
-    else:  # a fast peer must also compute the same thing
-      result[name]["rel_err_vs_jaxcp"] = _rel_err(out, reference, seg != 0)
-    del out
+      reference = out, grads
+    else:  # a fast peer must also compute the same thing, forward and backward
+      result[name]["rel_err_vs_jaxcp"] = _rel_err(out, reference[0], live)
+      result[name]["grad_rel_err_vs_jaxcp"] = max(_rel_err(g, g_ref, live) for g, g_ref in zip(grads, reference[1]))
+    del out, grads
+  del calls, reference
   return result
+
+
+PEERS = ("cudnn_packed", "cudnn_static", "cudnn_dense", "xla")  # every implementation but jaxcp
 
 
 def _fmt(r, key):
@@ -221,25 +247,31 @@ def _fmt(r, key):
 
 
 def _peer_errors(r):
-  errs = [f"{n} {r[n]['rel_err_vs_jaxcp']:.1e}" for n in ("cudnn_packed", "cudnn_dense", "xla")
-          if n in r and "rel_err_vs_jaxcp" in r[n]]
+  """Each peer's relative error against jaxcp: output / worst of dq, dk, dv."""
+  errs = [f"{n} {r[n]['rel_err_vs_jaxcp']:.1e} / {r[n].get('grad_rel_err_vs_jaxcp', float('nan')):.1e}"
+          for n in PEERS if n in r and "rel_err_vs_jaxcp" in r[n]]
   return ", ".join(errs) or "-"
 
 
-# A peer whose output is this far from jaxcp's (relative L2 over live tokens; bf16 rounding gives
-# about 2e-3) computes something else, so its time is no comparison: JAX 0.11.2's cuDNN packed
-# form with q/k 192, v 128 returns wrong values (1.3e+00) or NaN, while jaxcp agrees with XLA.
+# A peer whose output or gradients are this far from jaxcp's (relative L2 over live tokens; bf16
+# rounding gives about 2e-3) computes something else, so its time is no comparison: JAX 0.11.2's
+# cuDNN packed form with q/k 192, v 128 returns wrong values (1.3e+00) or NaN, while jaxcp agrees
+# with XLA.
 PEER_MAX_REL_ERR = 5e-2
 
 
-def _peer_agrees(r):
-  err = r.get("rel_err_vs_jaxcp", 0.0)
-  return bool(np.isfinite(err)) and err <= PEER_MAX_REL_ERR
+def _peer_agrees(r, key):
+  """Whether peer result r computes what jaxcp does: its output, and for key fwd_bwd_tflops
+  also its gradients."""
+  errs = [r.get("rel_err_vs_jaxcp", 0.0)]
+  if key == "fwd_bwd_tflops":
+    errs.append(r.get("grad_rel_err_vs_jaxcp", 0.0))
+  return all(bool(np.isfinite(e)) and e <= PEER_MAX_REL_ERR for e in errs)
 
 
 def _ratio_value(a, b, key):
-  """jaxcp / peer TFLOP/s, or None: either missing or failed, or the peer's output wrong."""
-  if not a or not b or "error" in a or "error" in b or not _peer_agrees(b):
+  """jaxcp / peer TFLOP/s, or None: either missing or failed, or the peer's result wrong."""
+  if not a or not b or "error" in a or "error" in b or not _peer_agrees(b, key):
     return None
   return a[key] / b[key]
 
@@ -248,48 +280,62 @@ def _ratio(a, b, key):
   v = _ratio_value(a, b, key)
   if v is not None:
     return f"{v:.2f}x"
-  return "wrong output" if b and "error" not in b and not _peer_agrees(b) else "-"
+  return "wrong result" if b and "error" not in b and not _peer_agrees(b, key) else "-"
+
+
+def _cudnn_peer(r, static=False):
+  """The cuDNN result jaxcp is compared with: the packed form (with the rows' own document count
+  as capacity, or with the static one), else the dense form."""
+  return r.get("cudnn_static" if static else "cudnn_packed") or r.get("cudnn_dense")
 
 
 def ratio_summary(results):
-  """Geometric means of jaxcp / cuDNN (packed form, else dense) over the cases with a cuDNN
-  result that agrees with jaxcp's: all of them, and those without padding tokens."""
+  """Geometric means of jaxcp / cuDNN over the cases with a cuDNN result that agrees with
+  jaxcp's: all of them, and those without padding tokens; keys static_*: against cuDNN with the
+  static document capacity (cases where it ran out of memory count as not run)."""
   out = {}
-  for label, keep in (("all", lambda r: True), ("unpadded", lambda r: not r["case"].get("pad"))):
-    for key in ("fwd_tflops", "fwd_bwd_tflops"):
-      vals = [_ratio_value(r.get("jaxcp"), r.get("cudnn_packed") or r.get("cudnn_dense"), key)
-              for r in results if keep(r)]
-      vals = [v for v in vals if v is not None]
-      out[f"{label}_{key}"] = dict(cases=len(vals),
-                                   geomean=float(np.exp(np.mean(np.log(vals)))) if vals else None)
+  for prefix, static in (("", False), ("static_", True)):
+    for label, keep in (("all", lambda r: True), ("unpadded", lambda r: not r["case"].get("pad"))):
+      for key in ("fwd_tflops", "fwd_bwd_tflops"):
+        vals = [_ratio_value(r.get("jaxcp"), _cudnn_peer(r, static), key) for r in results if keep(r)]
+        vals = [v for v in vals if v is not None]
+        out[f"{prefix}{label}_{key}"] = dict(cases=len(vals),
+                                             geomean=float(np.exp(np.mean(np.log(vals)))) if vals else None)
   return out
 
 
 def _summary_md(summary):
-  parts = []
-  for label in ("unpadded", "all"):  # an implementation has both times or an error: same cases
-    f, b = summary[f"{label}_fwd_tflops"], summary[f"{label}_fwd_bwd_tflops"]
-    if f["geomean"] is not None:
-      parts.append(f"{label} ({f['cases']} cases): forward {f['geomean']:.3f}x, "
-                   f"forward+backward {b['geomean']:.3f}x")
-  return ("Geometric mean of jaxcp / cuDNN over the cases with a cuDNN result that agrees with jaxcp's: "
-          + "; ".join(parts) + ".") if parts else ""
+  lines = []
+  for prefix, peer in (("", "cuDNN"), ("static_", "cuDNN with capacity M = S/128")):
+    parts = []
+    for label in ("unpadded", "all"):  # a peer with wrong gradients has a forward ratio only
+      f, b = summary[f"{prefix}{label}_fwd_tflops"], summary[f"{prefix}{label}_fwd_bwd_tflops"]
+      if f["geomean"] is not None:
+        parts.append(f"{label}: forward {f['geomean']:.3f}x ({f['cases']} cases), "
+                     + (f"forward+backward {b['geomean']:.3f}x ({b['cases']} cases)" if b["geomean"] is not None
+                        else "forward+backward -"))
+    if parts:
+      lines.append(f"Geometric mean of jaxcp / {peer} over the cases with a result that agrees with jaxcp's: "
+                   + "; ".join(parts) + ".")
+  return "\n\n".join(lines)
 
 
 def markdown(meta, results):
   """The results table (and the geometric means of the ratios) as markdown."""
   header = ["case", "docs/row", "jaxcp fwd", "jaxcp fwd+bwd", "cuDNN packed fwd", "cuDNN packed fwd+bwd",
-            "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd", "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN",
-            "peer rel err vs jaxcp"]
+            "cuDNN M=S/128 fwd", "cuDNN M=S/128 fwd+bwd", "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd",
+            "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN", "fwd+bwd vs cuDNN M=S/128",
+            "peer rel err vs jaxcp (out / grads)"]
   rows = []
   for r in results:
-    cud = r.get("cudnn_packed") or r.get("cudnn_dense")
+    cud = _cudnn_peer(r)
     rows.append([r["case"]["name"], f"{np.mean(r['docs_per_row']):.1f}"]
-                + [_fmt(r.get(n), k) for n in ("jaxcp", "cudnn_packed", "cudnn_dense", "xla")
+                + [_fmt(r.get(n), k) for n in ("jaxcp",) + PEERS
                    for k in ("fwd_tflops", "fwd_bwd_tflops")]
                 + [_ratio(r.get("jaxcp"), cud, "fwd_tflops"), _ratio(r.get("jaxcp"), cud, "fwd_bwd_tflops"),
-                   _peer_errors(r)])
-  md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}. TFLOP/s over allowed pairs "
+                   _ratio(r.get("jaxcp"), _cudnn_peer(r, static=True), "fwd_bwd_tflops"), _peer_errors(r)])
+  cudnn = f", cuDNN {meta['cudnn']}" if "cudnn" in meta else ""
+  md = (f"Device: {meta['device']}, JAX {meta['jax']}{cudnn}, {meta['date']}. TFLOP/s over allowed pairs "
         f"(fwd 2*(D+Dv)*Hq*pairs, = 4*D*Hq*pairs when Dv = D; fwd+bwd 3.5x).")
   if "matmul_bf16_tflops" in meta:
     md += f" Same run: bf16 8k matmul {meta['matmul_bf16_tflops']:.0f} TFLOP/s, copy {meta['copy_gbps']:.0f} GB/s."
@@ -321,7 +367,7 @@ def main(argv=None):
     r = run_case(case, dtype, quick)
     results.append(r)
     print(f"{case.name}: " + ", ".join(f"{k} {_fmt(r.get(k), 'fwd_tflops')}/{_fmt(r.get(k), 'fwd_bwd_tflops')}"
-                                        for k in ("jaxcp", "cudnn_packed", "cudnn_dense", "xla") if k in r), flush=True)
+                                        for k in ("jaxcp",) + PEERS if k in r), flush=True)
 
   md = markdown(meta, results)
   out_dir = common.write_results(name, dict(meta=meta, results=results, summary=ratio_summary(results)), md, args.out)
@@ -336,18 +382,22 @@ def _plot(results, out_dir, name):
     import matplotlib.pyplot as plt
   except ImportError:
     return
-  impls = [n for n in ("jaxcp", "cudnn_packed", "cudnn_dense", "xla") if any(n in r for r in results)]
+  impls = [n for n in ("jaxcp",) + PEERS if any(n in r for r in results)]
   fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=False)
   x = np.arange(len(results))
   width = 0.8 / max(1, len(impls))
   for ax, key, title in zip(axes, ("fwd_tflops", "fwd_bwd_tflops"), ("forward", "forward+backward")):
     for i, n in enumerate(impls):
       vals = [r[n][key] if n in r and "error" not in r[n] else 0 for r in results]
-      ax.bar(x + i * width, vals, width, label=n)
+      bars = ax.bar(x + i * width, vals, width, label=n)
+      for bar, r in zip(bars, results):  # a peer computing something else: hatched, no comparison
+        if n != "jaxcp" and n in r and "error" not in r[n] and not _peer_agrees(r[n], key):
+          bar.set_hatch("xx")
+          bar.set_alpha(0.4)
     ax.set_xticks(x + width * (len(impls) - 1) / 2)
     ax.set_xticklabels([r["case"]["name"] for r in results], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("TFLOP/s (allowed pairs)")
-    ax.set_title(title)
+    ax.set_title(f"{title} (hatched: the peer's result is wrong)")
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(f"{out_dir}/{name}.png", dpi=120)

@@ -79,9 +79,23 @@ def device_description() -> str:
   return f"{getattr(d, 'device_kind', d.platform)} x{len(jax.devices())}"
 
 
+def cudnn_version() -> str | None:
+  """The cuDNN library the JAX CUDA plugin loaded (e.g. "9.19.0"), or None without one: peers'
+  speeds depend on it, so runs from different hosts are only comparable with it named."""
+  try:
+    from jax._src.lib import cuda_versions  # private; None without the CUDA plugin
+    v = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
+  except Exception:  # noqa: BLE001 -- a missing or renamed private API only loses the label
+    return None
+  return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v else None
+
+
 def run_metadata() -> dict:
-  return dict(device=device_description(), backend=jax.default_backend(), jax=jax.__version__,
+  meta = dict(device=device_description(), backend=jax.default_backend(), jax=jax.__version__,
               date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node())
+  if (cudnn := cudnn_version()) is not None:
+    meta["cudnn"] = cudnn
+  return meta
 
 
 def packed_rows(rng: np.random.Generator, batch: int, seq_len: int, mean_doc: int):

@@ -22,6 +22,9 @@ def test_bench_attention_quick(tmp_path):
   _run_quick("bench_attention", tmp_path)
   data = json.loads((tmp_path / "attention.json").read_text())
   assert all("jaxcp" in r and "fwd_ms" in r["jaxcp"] for r in data["results"])
+  # the XLA peer is checked against jaxcp's output and gradients (float32 on the CPU)
+  errs = [(r["xla"]["rel_err_vs_jaxcp"], r["xla"]["grad_rel_err_vs_jaxcp"]) for r in data["results"]]
+  assert errs and all(0 <= e < 1e-4 for pair in errs for e in pair), errs
   assert (tmp_path / "attention.md").read_text().startswith("Device:")
 
 
@@ -32,6 +35,15 @@ def test_accuracy_quick(tmp_path):
   data = json.loads((tmp_path / "accuracy.json").read_text())
   errs = [r["rel_err_vs_f64"]["jaxcp"] for r in data["results"]]
   assert len(errs) == 2 and all(0 < e < 4e-3 for e in errs), errs
+
+
+def test_grad_check_quick(tmp_path):
+  """The per-document gradient reference agrees with jaxcp's float32 CPU kernel (causal, and with
+  a window) to float32 rounding: a reference that masked differently would not."""
+  _run_quick("grad_check_long_rows", tmp_path)
+  data = json.loads((tmp_path / "grad_check.json").read_text())
+  errs = [r["jaxcp"][g]["rel_err"] for r in data["results"] for g in ("dq", "dk", "dv")]
+  assert len(errs) == 6 and all(0 < e < 1e-5 for e in errs), errs
 
 
 def test_cudnn_packed_args_are_starts_only():
@@ -47,24 +59,30 @@ def test_cudnn_packed_args_are_starts_only():
   np.testing.assert_array_equal(offsets, [[0, 3, 8, -1], [0, -1, -1, -1]])
 
 
-def test_ratio_summary_drops_peers_with_wrong_output():
-  """A peer whose output disagrees with jaxcp's gets no ratio ("wrong output") and stays out of
-  the geometric means; padded cases count in "all" only."""
+def test_ratio_summary_drops_peers_with_wrong_results():
+  """A peer whose output disagrees with jaxcp's gets no ratio ("wrong result") and stays out of
+  the geometric means, one whose gradients disagree loses its forward+backward ratio only;
+  padded cases count in "all" only."""
   sys.path.insert(0, BENCH)
   try:
     from bench_attention import _ratio, ratio_summary
   finally:
     sys.path.remove(BENCH)
 
-  def case(pad, jax_tf, peer_tf, err):
+  def case(pad, jax_tf, peer_tf, err, grad_err=2e-3):
     return dict(case=dict(pad=pad), jaxcp=dict(fwd_tflops=jax_tf, fwd_bwd_tflops=jax_tf),
-                cudnn_packed=dict(fwd_tflops=peer_tf, fwd_bwd_tflops=peer_tf, rel_err_vs_jaxcp=err))
+                cudnn_packed=dict(fwd_tflops=peer_tf, fwd_bwd_tflops=peer_tf, rel_err_vs_jaxcp=err,
+                                  grad_rel_err_vs_jaxcp=grad_err))
 
   results = [case(0, 200.0, 100.0, 1e-3), case(0, 100.0, 200.0, 2e-3), case(300, 300.0, 100.0, 1e-3),
-             case(0, 100.0, 400.0, 1.3), case(0, 100.0, 400.0, float("nan"))]
-  assert _ratio(results[3]["jaxcp"], results[3]["cudnn_packed"], "fwd_tflops") == "wrong output"
+             case(0, 100.0, 400.0, 1.3), case(0, 100.0, 400.0, float("nan")),
+             case(0, 100.0, 100.0, 1e-3, grad_err=0.9)]
+  assert _ratio(results[3]["jaxcp"], results[3]["cudnn_packed"], "fwd_tflops") == "wrong result"
   assert _ratio(results[0]["jaxcp"], results[0]["cudnn_packed"], "fwd_tflops") == "2.00x"
+  assert _ratio(results[5]["jaxcp"], results[5]["cudnn_packed"], "fwd_tflops") == "1.00x"
+  assert _ratio(results[5]["jaxcp"], results[5]["cudnn_packed"], "fwd_bwd_tflops") == "wrong result"
   s = ratio_summary(results)
-  assert s["unpadded_fwd_tflops"] == dict(cases=2, geomean=1.0)
+  assert s["unpadded_fwd_tflops"] == dict(cases=3, geomean=1.0)
+  assert s["unpadded_fwd_bwd_tflops"]["cases"] == 2
   assert s["all_fwd_bwd_tflops"]["cases"] == 3
   np.testing.assert_allclose(s["all_fwd_bwd_tflops"]["geomean"], 3.0 ** (1 / 3))
