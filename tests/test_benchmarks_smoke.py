@@ -86,3 +86,10 @@ def test_ratio_summary_drops_peers_with_wrong_results():
   assert s["unpadded_fwd_bwd_tflops"]["cases"] == 2
   assert s["all_fwd_bwd_tflops"]["cases"] == 3
   np.testing.assert_allclose(s["all_fwd_bwd_tflops"]["geomean"], 3.0 ** (1 / 3))
+  # against the static-capacity peer: a case where it ran out of memory counts as not run
+  results[0]["cudnn_static"] = dict(error="OOM")
+  results[1]["cudnn_static"] = dict(fwd_tflops=200.0, fwd_bwd_tflops=50.0, rel_err_vs_jaxcp=1e-3,
+                                    grad_rel_err_vs_jaxcp=2e-3)
+  s = ratio_summary(results)
+  assert s["static_unpadded_fwd_bwd_tflops"] == dict(cases=1, geomean=2.0)
+  assert s["unpadded_fwd_bwd_tflops"]["cases"] == 2  # the packed peer's ratios are unchanged
