@@ -86,8 +86,9 @@ def cudnn_packed_args(rows, batch, max_docs=None):
   adds the row offsets itself and drops the -1s, so an end offset here would be read as the
   next row's first document and shift every later row by one document). M is max_docs, or the
   most documents any row has."""
-  max_docs = max_docs or max(len(r) for r in rows)
-  if max_docs < max(len(r) for r in rows):
+  most = max(len(r) for r in rows)
+  max_docs = max_docs or most
+  if max_docs < most:
     raise ValueError(f"max_docs={max_docs} is below a row's document count")
   seqlen = np.full((batch, max_docs), -1, np.int32)
   offsets = np.full((batch, max_docs + 1), -1, np.int32)
@@ -154,11 +155,14 @@ def _error(e):
   return "OOM" if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else msg
 
 
+def fwd_bwd_fn(fn):
+  """fn's forward+backward, jitted: (q, k, v, dout) -> (dq, dk, dv)."""
+  return jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
+
+
 def _warm_calls(fn, q, k, v, dout):
   """The jitted forward and forward+backward of fn with their arguments, compiled and run twice."""
-  fwd = jax.jit(fn)
-  fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
-  calls = {"fwd": (fwd, (q, k, v)), "fwd_bwd": (fwd_bwd, (q, k, v, dout))}
+  calls = {"fwd": (jax.jit(fn), (q, k, v)), "fwd_bwd": (fwd_bwd_fn(fn), (q, k, v, dout))}
   for f, args in calls.values():
     for _ in range(2):
       jax.block_until_ready(f(*args))
@@ -173,6 +177,18 @@ def case_rows(case: Case):
   return common.padded_rows(rows, case.seq_len - case.pad) if case.pad else rows
 
 
+def case_inputs(case: Case, dtype):
+  """The case's q, k, v and dout (seeded: every run and tool draws the same)."""
+  dv = case.v_head_dim or case.head_dim
+  key = jax.random.PRNGKey(1)
+  shape_q = (case.batch, case.seq_len, case.q_heads, case.head_dim)
+  shape_kv = (case.batch, case.seq_len, case.kv_heads, case.head_dim)
+  shape_v, shape_o = shape_kv[:3] + (dv,), shape_q[:3] + (dv,)
+  return (jax.random.normal(key, shape_q, dtype), jax.random.normal(jax.random.fold_in(key, 1), shape_kv, dtype),
+          jax.random.normal(jax.random.fold_in(key, 2), shape_v, dtype),
+          jax.random.normal(jax.random.fold_in(key, 3), shape_o, dtype))
+
+
 def run_case(case: Case, dtype, quick: bool):
   rows = case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
@@ -180,14 +196,7 @@ def run_case(case: Case, dtype, quick: bool):
   pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
   dv = case.v_head_dim or case.head_dim
   fwd_flops = 2 * (case.head_dim + dv) * case.q_heads * pairs  # q.k and p.v
-  key = jax.random.PRNGKey(1)
-  shape_q = (case.batch, case.seq_len, case.q_heads, case.head_dim)
-  shape_kv = (case.batch, case.seq_len, case.kv_heads, case.head_dim)
-  shape_v, shape_o = shape_kv[:3] + (dv,), shape_q[:3] + (dv,)
-  q = jax.random.normal(key, shape_q, dtype)
-  k = jax.random.normal(jax.random.fold_in(key, 1), shape_kv, dtype)
-  v = jax.random.normal(jax.random.fold_in(key, 2), shape_v, dtype)
-  dout = jax.random.normal(jax.random.fold_in(key, 3), shape_o, dtype)
+  q, k, v, dout = case_inputs(case, dtype)
 
   impls = {"jaxcp": _jaxcp(case, seg, pos)}
   if not quick:

@@ -103,19 +103,14 @@ def check_case(case, dtype, gpu: bool):
     raise ValueError(f"case {case.name!r}: the reference has no chunked mask")
   rows = ba.case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
-  key = jax.random.PRNGKey(1)  # the benchmark's inputs (bench_attention.run_case)
-  dv_dim = case.v_head_dim or case.head_dim
-  q = jax.random.normal(key, (case.batch, case.seq_len, case.q_heads, case.head_dim), dtype)
-  k = jax.random.normal(jax.random.fold_in(key, 1), (case.batch, case.seq_len, case.kv_heads, case.head_dim), dtype)
-  v = jax.random.normal(jax.random.fold_in(key, 2), (case.batch, case.seq_len, case.kv_heads, dv_dim), dtype)
-  dout = jax.random.normal(jax.random.fold_in(key, 3), (case.batch, case.seq_len, case.q_heads, dv_dim), dtype)
+  q, k, v, dout = ba.case_inputs(case, dtype)  # the benchmark's inputs
   ref = reference_grads(q, k, v, dout, rows, case.window)
   impls = {"jaxcp": ba._jaxcp(case, seg, pos)}
   if gpu:
     impls["cudnn_packed"] = ba._cudnn_packed(case, rows, dtype)
   result = dict(case=case.name, docs=sum(len(r) for r in rows))
   for name, fn in impls.items():
-    grads = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))(q, k, v, dout)
+    grads = ba.fwd_bwd_fn(fn)(q, k, v, dout)
     result[name] = errors(grads, ref, rows)
     del grads
   return result

@@ -14,30 +14,15 @@ import argparse
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_attention as ba  # noqa: E402
 import common  # noqa: E402
+import grad_check_long_rows as grad_check  # noqa: E402
 
 HEAD_DIM = 128
-
-
-def first_bad(grads, ref, rows):
-  """Per gradient name, the index of the first document off by more than PEER_MAX_REL_ERR."""
-  out = {}
-  for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
-    g, r = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (g, r))
-    start = 0
-    for i, n in enumerate(rows[0]):
-      a, b = g[0, start:start + n], r[0, start:start + n]
-      if not np.linalg.norm(a - b) <= ba.PEER_MAX_REL_ERR * np.linalg.norm(b):
-        out[name] = i
-        break
-      start += n
-  return out
 
 
 def probe(seq, hq, hkv, n):
@@ -45,15 +30,10 @@ def probe(seq, hq, hkv, n):
   rows = [[seq // n] * (n - 1) + [seq - (seq // n) * (n - 1)]]
   case = ba.Case("probe", 1, seq, seq // n, hq, hkv, HEAD_DIM)
   seg, pos = common.segments_and_positions(rows, seq)
-  key = jax.random.PRNGKey(n)
-  q = jax.random.normal(key, (1, seq, hq, HEAD_DIM), jnp.bfloat16)
-  k = jax.random.normal(jax.random.fold_in(key, 1), (1, seq, hkv, HEAD_DIM), jnp.bfloat16)
-  v = jax.random.normal(jax.random.fold_in(key, 2), (1, seq, hkv, HEAD_DIM), jnp.bfloat16)
-  do = jax.random.normal(jax.random.fold_in(key, 3), (1, seq, hq, HEAD_DIM), jnp.bfloat16)
-  grads = {name: jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))(q, k, v, do)
-           for name, fn in (("jaxcp", ba._jaxcp(case, seg, pos)),
-                            ("cudnn", ba._cudnn_packed(case, rows, jnp.bfloat16)))}
-  return first_bad(grads["cudnn"], grads["jaxcp"], rows), rows[0][0]
+  inputs = ba.case_inputs(case, jnp.bfloat16)
+  ref = [np.asarray(g, np.float32) for g in ba.fwd_bwd_fn(ba._jaxcp(case, seg, pos))(*inputs)]
+  errs = grad_check.errors(ba.fwd_bwd_fn(ba._cudnn_packed(case, rows, jnp.bfloat16))(*inputs), ref, rows)
+  return {g: e["bad_docs"][0][1] for g, e in errs.items() if e["bad_docs"]}, rows[0][0]
 
 
 def main():
