@@ -1,9 +1,11 @@
 """Packed-document attention: jaxcp vs JAX's cuDNN (packed q_offsets form and dense causal) and
 XLA, side by side in one process, with a bf16 matmul and a device copy measured in the same run.
 cuDNN's packed form runs twice: with the rows' own document count as its capacity M (its best
-case; the ratios and geometric means are against it) and with M = S/128 ("cudnn_static": the
-fixed capacity a jitted training loop needs, see static_doc_capacity). Every peer's output and
-gradients are checked against jaxcp's; a peer that computes something else gets no ratio.
+case) and with a fixed M = S/t ("cudnn_static": the capacity a jitted training loop needs, see
+static_doc_capacity; t = 64 by default, the form ../shared/ANCHORS.md measured). Ratios and
+geometric means are given against both. Every peer's output and gradients are checked against
+jaxcp's; a peer that computes something else gets no ratio. Forward and forward+backward are
+compiled and timed apart, so a peer whose backward runs out of memory still has a forward.
 
 FLOPs count allowed pairs only: forward 2*(D+Dv)*Hq*pairs (4*D*Hq*pairs when V's head dim Dv is
 D), forward+backward 3.5x that.
@@ -98,15 +100,22 @@ def cudnn_packed_args(rows, batch, max_docs=None):
   return seqlen, offsets
 
 
-def static_doc_capacity(seq_len):
-  """The document capacity M of the "cudnn_static" peer: one document per 128 tokens.
+# Tokens per document t of the "cudnn_static" peer's capacity M = S/t. At 64, cuDNN's backward
+# asks for the memory ../shared/ANCHORS.md reports for its 1 x 32k and 1 x 64k cases (130.5 and
+# 521 GiB against 130 and 520; tools/cudnn_capacity_probe.py, session 35), so that is inferred to
+# be the form the anchors measured. (Its 4 x 16k 32/8 figure, 258 GiB, fits t = 128 instead.)
+STATIC_TOKENS_PER_DOC = 64
+
+
+def static_doc_capacity(seq_len, tokens_per_doc=STATIC_TOKENS_PER_DOC):
+  """The document capacity M of the "cudnn_static" peer: one document per tokens_per_doc tokens.
 
   Under jit, q_seqlen / q_offsets need a shape that stays fixed while the number of documents
   per row changes from batch to batch, so a training loop passes a capacity rather than the
-  batch's count (which recompiles whenever it changes). JAX's cuDNN packed backward needs more
-  memory and time as M grows: at M = S/128 it ran out of memory on an H200 on 4 x 16k with 32/8
-  heads and on every 64k and 128k row, where the rows' own count ran (session 34)."""
-  return seq_len // 128
+  batch's count (which recompiles whenever it changes). JAX's cuDNN packed backward needs memory
+  and time in proportion to M: B * M * S * Hq * D float32 elements with 16/16 heads, twice that
+  with 32/8 (H200, JAX 0.11.2, cuDNN 9.19.0; tools/cudnn_capacity_probe.py, session 35)."""
+  return seq_len // tokens_per_doc
 
 
 def _cudnn_packed(case: Case, rows, dtype, max_docs=None):
@@ -150,7 +159,8 @@ def _rel_err(out, ref, live):
 
 
 def _error(e):
-  """An implementation's failure as recorded in the results: OOM, or the first line."""
+  """An implementation's failure as recorded in the results (key fwd_error or fwd_bwd_error):
+  OOM, or the first line."""
   msg = str(e).splitlines()[0][:200]
   return "OOM" if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else msg
 
@@ -160,13 +170,16 @@ def fwd_bwd_fn(fn):
   return jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
 
 
-def _warm_calls(fn, q, k, v, dout):
-  """The jitted forward and forward+backward of fn with their arguments, compiled and run twice."""
-  calls = {"fwd": (jax.jit(fn), (q, k, v)), "fwd_bwd": (fwd_bwd_fn(fn), (q, k, v, dout))}
-  for f, args in calls.values():
-    for _ in range(2):
-      jax.block_until_ready(f(*args))
-  return calls
+def _calls(fn, q, k, v, dout):
+  """The jitted forward and forward+backward of fn with their arguments, by mode."""
+  return {"fwd": (jax.jit(fn), (q, k, v)), "fwd_bwd": (fwd_bwd_fn(fn), (q, k, v, dout))}
+
+
+def _warm(call):
+  """Compiles call and runs it twice."""
+  f, args = call
+  for _ in range(2):
+    jax.block_until_ready(f(*args))
 
 
 def case_rows(case: Case):
@@ -189,7 +202,7 @@ def case_inputs(case: Case, dtype):
           jax.random.normal(jax.random.fold_in(key, 3), shape_o, dtype))
 
 
-def run_case(case: Case, dtype, quick: bool):
+def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS_PER_DOC):
   rows = case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
   window = (case.window - 1, 0) if case.window else None
@@ -201,7 +214,7 @@ def run_case(case: Case, dtype, quick: bool):
   impls = {"jaxcp": _jaxcp(case, seg, pos)}
   if not quick:
     impls["cudnn_packed"] = _cudnn_packed(case, rows, dtype)
-    impls["cudnn_static"] = _cudnn_packed(case, rows, dtype, static_doc_capacity(case.seq_len))
+    impls["cudnn_static"] = _cudnn_packed(case, rows, dtype, static_doc_capacity(case.seq_len, static_tokens_per_doc))
     impls["cudnn_dense"] = _cudnn_dense(case)
   if case.xla:
     impls["xla"] = _jaxcp(case, seg, pos, implementation="xla")
@@ -212,34 +225,32 @@ def run_case(case: Case, dtype, quick: bool):
   for name, fn in impls.items():
     if fn is None:
       continue
-    try:
-      for mode, call in _warm_calls(fn, q, k, v, dout).items():
+    result[name] = {}
+    for mode, call in _calls(fn, q, k, v, dout).items():
+      try:
+        _warm(call)
         calls[(name, mode)] = call
-    except Exception as e:  # out of memory or unsupported: recorded, never fatal
-      result[name] = dict(error=_error(e))  # _warm_calls raised before any of its calls was kept
-      if "OOM" not in result[name]["error"]:
-        traceback.print_exc(limit=2)
+      except Exception as e:  # out of memory or unsupported: recorded, never fatal
+        result[name][f"{mode}_error"] = _error(e)
+        if result[name][f"{mode}_error"] != "OOM":
+          traceback.print_exc(limit=2)
   times = common.time_interleaved(calls) if calls else {}
   reference = None  # jaxcp's output and gradients: every other implementation is checked against them
   live = seg != 0
-  for name, fn in impls.items():
-    if fn is None or name in result:
+  for (name, mode), (f, args) in calls.items():
+    t, r = times[(name, mode)], result[name]
+    if isinstance(t, Exception):
+      r[f"{mode}_error"] = _error(t)
       continue
-    t_fwd, t_fb = times[(name, "fwd")], times[(name, "fwd_bwd")]
-    failed = [t for t in (t_fwd, t_fb) if isinstance(t, Exception)]
-    if failed:
-      result[name] = dict(error=_error(failed[0]))
-      continue
-    result[name] = dict(fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fb * 1e3, fwd_tflops=fwd_flops / t_fwd / 1e12,
-                        fwd_bwd_tflops=3.5 * fwd_flops / t_fb / 1e12)
-    out = calls[(name, "fwd")][0](q, k, v)
-    grads = calls[(name, "fwd_bwd")][0](q, k, v, dout)  # dq, dk, dv
-    if reference is None:
-      reference = out, grads
-    else:  # a fast peer must also compute the same thing, forward and backward
-      result[name]["rel_err_vs_jaxcp"] = _rel_err(out, reference[0], live)
-      result[name]["grad_rel_err_vs_jaxcp"] = max(_rel_err(g, g_ref, live) for g, g_ref in zip(grads, reference[1]))
-    del out, grads
+    flops = fwd_flops if mode == "fwd" else 3.5 * fwd_flops
+    r[f"{mode}_ms"], r[f"{mode}_tflops"] = t * 1e3, flops / t / 1e12
+    got = f(*args)  # the output, or dq, dk, dv
+    if name == "jaxcp":
+      reference = dict(reference or {}, **{mode: got})
+    elif reference and mode in reference:  # a fast peer must also compute the same thing
+      err = max(_rel_err(g, g_ref, live) for g, g_ref in zip(jax.tree.leaves(got), jax.tree.leaves(reference[mode])))
+      r["rel_err_vs_jaxcp" if mode == "fwd" else "grad_rel_err_vs_jaxcp"] = err
+    del got
   del calls, reference
   return result
 
@@ -247,17 +258,24 @@ def run_case(case: Case, dtype, quick: bool):
 PEERS = ("cudnn_packed", "cudnn_static", "cudnn_dense", "xla")  # every implementation but jaxcp
 
 
+def _failure(r, key):
+  """The error recorded for key's mode (fwd_tflops: fwd, fwd_bwd_tflops: fwd_bwd), or None."""
+  return r.get(key.replace("_tflops", "_error"))
+
+
 def _fmt(r, key):
-  if r is None:
+  if r is None or (key not in r and not _failure(r, key)):
     return "-"
-  if "error" in r:
-    return "OOM" if r["error"] == "OOM" else "err"
+  if _failure(r, key):
+    return "OOM" if _failure(r, key) == "OOM" else "err"
   return f"{r[key]:.0f}" if r[key] >= 10 else f"{r[key]:.2f}"
 
 
 def _peer_errors(r):
   """Each peer's relative error against jaxcp: output / worst of dq, dk, dv."""
-  errs = [f"{n} {r[n]['rel_err_vs_jaxcp']:.1e} / {r[n].get('grad_rel_err_vs_jaxcp', float('nan')):.1e}"
+  def grads(e):
+    return "-" if e is None else f"{e:.1e}"  # "-": its backward did not run
+  errs = [f"{n} {r[n]['rel_err_vs_jaxcp']:.1e} / {grads(r[n].get('grad_rel_err_vs_jaxcp'))}"
           for n in PEERS if n in r and "rel_err_vs_jaxcp" in r[n]]
   return ", ".join(errs) or "-"
 
@@ -280,7 +298,7 @@ def _peer_agrees(r, key):
 
 def _ratio_value(a, b, key):
   """jaxcp / peer TFLOP/s, or None: either missing or failed, or the peer's result wrong."""
-  if not a or not b or "error" in a or "error" in b or not _peer_agrees(b, key):
+  if not a or not b or key not in a or key not in b or not _peer_agrees(b, key):
     return None
   return a[key] / b[key]
 
@@ -289,7 +307,7 @@ def _ratio(a, b, key):
   v = _ratio_value(a, b, key)
   if v is not None:
     return f"{v:.2f}x"
-  return "wrong result" if b and "error" not in b and not _peer_agrees(b, key) else "-"
+  return "wrong result" if b and key in b and not _peer_agrees(b, key) else "-"
 
 
 def _cudnn_peer(r, static=False):
@@ -313,9 +331,9 @@ def ratio_summary(results):
   return out
 
 
-def _summary_md(summary):
+def _summary_md(summary, static_label):
   lines = []
-  for prefix, peer in (("", "cuDNN"), ("static_", "cuDNN with capacity M = S/128")):
+  for prefix, peer in (("", "cuDNN"), ("static_", f"cuDNN with capacity {static_label}")):
     parts = []
     for label in ("unpadded", "all"):  # a peer with wrong gradients has a forward ratio only
       f, b = summary[f"{prefix}{label}_fwd_tflops"], summary[f"{prefix}{label}_fwd_bwd_tflops"]
@@ -331,9 +349,10 @@ def _summary_md(summary):
 
 def markdown(meta, results):
   """The results table (and the geometric means of the ratios) as markdown."""
+  static = f"M=S/{meta.get('static_tokens_per_doc', 128)}"  # results before session 35: S/128
   header = ["case", "docs/row", "jaxcp fwd", "jaxcp fwd+bwd", "cuDNN packed fwd", "cuDNN packed fwd+bwd",
-            "cuDNN M=S/128 fwd", "cuDNN M=S/128 fwd+bwd", "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd",
-            "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN", "fwd+bwd vs cuDNN M=S/128",
+            f"cuDNN {static} fwd", f"cuDNN {static} fwd+bwd", "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd",
+            "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN", f"fwd vs cuDNN {static}", f"fwd+bwd vs cuDNN {static}",
             "peer rel err vs jaxcp (out / grads)"]
   rows = []
   for r in results:
@@ -341,15 +360,15 @@ def markdown(meta, results):
     rows.append([r["case"]["name"], f"{np.mean(r['docs_per_row']):.1f}"]
                 + [_fmt(r.get(n), k) for n in ("jaxcp",) + PEERS
                    for k in ("fwd_tflops", "fwd_bwd_tflops")]
-                + [_ratio(r.get("jaxcp"), cud, "fwd_tflops"), _ratio(r.get("jaxcp"), cud, "fwd_bwd_tflops"),
-                   _ratio(r.get("jaxcp"), _cudnn_peer(r, static=True), "fwd_bwd_tflops"), _peer_errors(r)])
+                + [_ratio(r.get("jaxcp"), p, k) for p in (cud, _cudnn_peer(r, static=True))
+                   for k in ("fwd_tflops", "fwd_bwd_tflops")] + [_peer_errors(r)])
   cudnn = f", cuDNN {meta['cudnn']}" if "cudnn" in meta else ""
   md = (f"Device: {meta['device']}, JAX {meta['jax']}{cudnn}, {meta['date']}. TFLOP/s over allowed pairs "
         f"(fwd 2*(D+Dv)*Hq*pairs, = 4*D*Hq*pairs when Dv = D; fwd+bwd 3.5x).")
   if "matmul_bf16_tflops" in meta:
     md += f" Same run: bf16 8k matmul {meta['matmul_bf16_tflops']:.0f} TFLOP/s, copy {meta['copy_gbps']:.0f} GB/s."
   md = md + "\n\n" + common.markdown_table(header, rows)
-  summary_line = _summary_md(ratio_summary(results))
+  summary_line = _summary_md(ratio_summary(results), static.replace("=", " = "))
   return md + ("\n" + summary_line + "\n" if summary_line else "")
 
 
@@ -359,6 +378,8 @@ def main(argv=None):
   ap.add_argument("--only", default=None, help="substring filter on case names")
   ap.add_argument("--extra", action="store_true", help="the head dims between tile widths (EXTRA_CASES)")
   ap.add_argument("--out", default=None, help="output folder (default $OUT or benchmarks/results)")
+  ap.add_argument("--static-tokens-per-doc", type=int, default=STATIC_TOKENS_PER_DOC,
+                  help="the cudnn_static peer's capacity M = S / this")
   args = ap.parse_args(argv)
   quick = args.quick or jax.default_backend() == "cpu"
   dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -368,12 +389,13 @@ def main(argv=None):
     cases = [c for c in cases if args.only in c.name]
 
   meta = common.run_metadata()
+  meta["static_tokens_per_doc"] = args.static_tokens_per_doc
   if not quick:
     meta["matmul_bf16_tflops"] = common.measure_matmul_tflops()
     meta["copy_gbps"] = common.measure_copy_gbps()
   results = []
   for case in cases:
-    r = run_case(case, dtype, quick)
+    r = run_case(case, dtype, quick, args.static_tokens_per_doc)
     results.append(r)
     print(f"{case.name}: " + ", ".join(f"{k} {_fmt(r.get(k), 'fwd_tflops')}/{_fmt(r.get(k), 'fwd_bwd_tflops')}"
                                         for k in ("jaxcp",) + PEERS if k in r), flush=True)
@@ -397,16 +419,19 @@ def _plot(results, out_dir, name):
   width = 0.8 / max(1, len(impls))
   for ax, key, title in zip(axes, ("fwd_tflops", "fwd_bwd_tflops"), ("forward", "forward+backward")):
     for i, n in enumerate(impls):
-      vals = [r[n][key] if n in r and "error" not in r[n] else 0 for r in results]
+      vals = [r[n].get(key, 0) if n in r else 0 for r in results]
       bars = ax.bar(x + i * width, vals, width, label=n)
       for bar, r in zip(bars, results):  # a peer computing something else: hatched, no comparison
-        if n != "jaxcp" and n in r and "error" not in r[n] and not _peer_agrees(r[n], key):
+        if n != "jaxcp" and n in r and key in r[n] and not _peer_agrees(r[n], key):
           bar.set_hatch("xx")
           bar.set_alpha(0.4)
+        if n in r and _failure(r[n], key):  # out of memory or failed: say so where its bar would be
+          ax.text(bar.get_x() + bar.get_width() / 2, 5, _fmt(r[n], key), rotation=90, ha="center",
+                  va="bottom", fontsize=6, color=bar.get_facecolor())
     ax.set_xticks(x + width * (len(impls) - 1) / 2)
     ax.set_xticklabels([r["case"]["name"] for r in results], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("TFLOP/s (allowed pairs)")
-    ax.set_title(f"{title} (hatched: the peer's result is wrong)")
+    ax.set_title(f"{title} (hatched: the peer's result is wrong; OOM: out of memory)")
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(f"{out_dir}/{name}.png", dpi=120)

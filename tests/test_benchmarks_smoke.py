@@ -65,7 +65,7 @@ def test_ratio_summary_drops_peers_with_wrong_results():
   padded cases count in "all" only."""
   sys.path.insert(0, BENCH)
   try:
-    from bench_attention import _ratio, ratio_summary
+    from bench_attention import _fmt, _ratio, ratio_summary
   finally:
     sys.path.remove(BENCH)
 
@@ -86,10 +86,16 @@ def test_ratio_summary_drops_peers_with_wrong_results():
   assert s["unpadded_fwd_bwd_tflops"]["cases"] == 2
   assert s["all_fwd_bwd_tflops"]["cases"] == 3
   np.testing.assert_allclose(s["all_fwd_bwd_tflops"]["geomean"], 3.0 ** (1 / 3))
-  # against the static-capacity peer: a case where it ran out of memory counts as not run
-  results[0]["cudnn_static"] = dict(error="OOM")
+  # against the static-capacity peer: a mode where it ran out of memory counts as not run, and a
+  # backward out of memory leaves its forward
+  results[0]["cudnn_static"] = dict(fwd_tflops=100.0, rel_err_vs_jaxcp=1e-3, fwd_bwd_error="OOM")
   results[1]["cudnn_static"] = dict(fwd_tflops=200.0, fwd_bwd_tflops=50.0, rel_err_vs_jaxcp=1e-3,
                                     grad_rel_err_vs_jaxcp=2e-3)
+  results[2]["cudnn_static"] = dict(fwd_error="OOM", fwd_bwd_error="OOM")
   s = ratio_summary(results)
+  assert s["static_unpadded_fwd_tflops"] == dict(cases=2, geomean=1.0)
   assert s["static_unpadded_fwd_bwd_tflops"] == dict(cases=1, geomean=2.0)
+  assert _fmt(results[0]["cudnn_static"], "fwd_bwd_tflops") == "OOM"
+  assert _fmt(results[0]["cudnn_static"], "fwd_tflops") == "100"
+  assert _ratio(results[2]["jaxcp"], results[2]["cudnn_static"], "fwd_tflops") == "-"
   assert s["unpadded_fwd_bwd_tflops"]["cases"] == 2  # the packed peer's ratios are unchanged
