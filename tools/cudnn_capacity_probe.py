@@ -3,8 +3,9 @@ document capacity M (the width of q_seqlen / q_offsets), from XLA's compiled mem
 kernel runs, so capacities far past the card's memory can be read too.
 
 ../shared/ANCHORS.md lists cuDNN running out of memory on 1 x 32k (130 GiB asked), 1 x 64k
-(520 GiB) and 4 x 16k with 32/8 heads (258 GiB). This finds the capacity that asks for those sizes,
-which is the form of the call the anchors measured.
+(520 GiB) and 4 x 16k with 32/8 heads (258 GiB): the capacities that ask for those sizes are the
+form of the call the anchors measured. Session 35 (H200, JAX 0.11.2, cuDNN 9.19.0): M = S/64 asks
+130.5 and 521.0 GiB for the first two; the third fits M = S/128 (259.3 GiB), not S/64 (517.3).
 
   python tools/cudnn_capacity_probe.py [--only 1x32k] [--per-doc own,128,64]   (GPU)
 """
@@ -14,7 +15,6 @@ import argparse
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -24,9 +24,9 @@ import common  # noqa: E402
 GIB = 2 ** 30
 
 
-def asked_gib(fn, args):
-  """Bytes the compiled fn needs beyond its arguments (temporaries + outputs), in GiB."""
-  stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+def asked_gib(jitted, args):
+  """Bytes the compiled call needs beyond its arguments (temporaries + outputs), in GiB."""
+  stats = jitted.lower(*args).compile().memory_analysis()
   return (stats.temp_size_in_bytes + stats.output_size_in_bytes) / GIB
 
 
@@ -42,11 +42,10 @@ def main():
     q, k, v, dout = ba.case_inputs(case, jnp.bfloat16)
     for per_doc in args.per_doc.split(","):
       m = None if per_doc == "own" else case.seq_len // int(per_doc)
-      fn = ba._cudnn_packed(case, rows, jnp.bfloat16, m)
-      fwd = asked_gib(fn, (q, k, v))
-      fwd_bwd = asked_gib(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do), (q, k, v, dout))
+      calls = ba._calls(ba._cudnn_packed(case, rows, jnp.bfloat16, m), q, k, v, dout)
+      asked = {mode: asked_gib(f, args) for mode, (f, args) in calls.items()}
       label = f"M = {max(map(len, rows))} (own)" if m is None else f"M = S/{per_doc} = {m}"
-      print(f"{case.name}: {label}: fwd {fwd:.1f} GiB, fwd+bwd {fwd_bwd:.1f} GiB", flush=True)
+      print(f"{case.name}: {label}: fwd {asked['fwd']:.1f} GiB, fwd+bwd {asked['fwd_bwd']:.1f} GiB", flush=True)
 
 
 if __name__ == "__main__":
