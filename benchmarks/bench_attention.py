@@ -264,10 +264,11 @@ def _failure(r, key):
 
 
 def _fmt(r, key):
-  if r is None or (key not in r and not _failure(r, key)):
+  failure = _failure(r, key) if r else None
+  if failure:
+    return "OOM" if failure == "OOM" else "err"
+  if not r or key not in r:
     return "-"
-  if _failure(r, key):
-    return "OOM" if _failure(r, key) == "OOM" else "err"
   return f"{r[key]:.0f}" if r[key] >= 10 else f"{r[key]:.2f}"
 
 
@@ -331,9 +332,9 @@ def ratio_summary(results):
   return out
 
 
-def _summary_md(summary, static_label):
+def _summary_md(summary, static_tokens_per_doc):
   lines = []
-  for prefix, peer in (("", "cuDNN"), ("static_", f"cuDNN with capacity {static_label}")):
+  for prefix, peer in (("", "cuDNN"), ("static_", f"cuDNN with capacity M = S/{static_tokens_per_doc}")):
     parts = []
     for label in ("unpadded", "all"):  # a peer with wrong gradients has a forward ratio only
       f, b = summary[f"{prefix}{label}_fwd_tflops"], summary[f"{prefix}{label}_fwd_bwd_tflops"]
@@ -349,7 +350,8 @@ def _summary_md(summary, static_label):
 
 def markdown(meta, results):
   """The results table (and the geometric means of the ratios) as markdown."""
-  static = f"M=S/{meta.get('static_tokens_per_doc', 128)}"  # results before session 35: S/128
+  tokens_per_doc = meta.get("static_tokens_per_doc", 128)  # results before session 35: S/128
+  static = f"M=S/{tokens_per_doc}"
   header = ["case", "docs/row", "jaxcp fwd", "jaxcp fwd+bwd", "cuDNN packed fwd", "cuDNN packed fwd+bwd",
             f"cuDNN {static} fwd", f"cuDNN {static} fwd+bwd", "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd",
             "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN", f"fwd vs cuDNN {static}", f"fwd+bwd vs cuDNN {static}",
@@ -368,7 +370,7 @@ def markdown(meta, results):
   if "matmul_bf16_tflops" in meta:
     md += f" Same run: bf16 8k matmul {meta['matmul_bf16_tflops']:.0f} TFLOP/s, copy {meta['copy_gbps']:.0f} GB/s."
   md = md + "\n\n" + common.markdown_table(header, rows)
-  summary_line = _summary_md(ratio_summary(results), static.replace("=", " = "))
+  summary_line = _summary_md(ratio_summary(results), tokens_per_doc)
   return md + ("\n" + summary_line + "\n" if summary_line else "")
 
 
