@@ -398,9 +398,8 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   cudaError_t err;
   auto* q_sum = const_cast<TileSummary*>(p.q_sum);
   auto* kv_sum = const_cast<TileSummary*>(p.kv_sum);
-  if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, plan.bm, q_sum, stream))) return err;
-  if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, bn, kv_sum, stream))) return err;
   const TileTokens q_tok{q_seg, q_pos, s.q_len, plan.bm}, kv_tok{kv_seg, kv_pos, s.kv_len, bn};
+  if ((err = launch_tile_summaries(q_tok, q_sum, kv_tok, kv_sum, s.batch, stream))) return err;
   if ((err = launch_tile_ranges(kv_sum, plan.nkv, kv_tok, q_sum, plan.nq, q_tok, s.batch, a.mask,
                                 /*rows_are_q=*/false, const_cast<TileRange*>(p.kv_range), stream)))
     return err;
@@ -413,9 +412,8 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
     return err;
   if (plan.sm80_dq) {
     auto* kv_sum_dq = const_cast<TileSummary*>(p.kv_sum_dq);
-    if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, bn_dq, kv_sum_dq, stream)))
-      return err;
     const TileTokens kv_tok_dq{kv_seg, kv_pos, s.kv_len, bn_dq};
+    if ((err = launch_tile_summaries(kv_tok_dq, kv_sum_dq, kv_tok_dq, nullptr, s.batch, stream))) return err;
     if ((err = launch_tile_ranges(q_sum, plan.nq, q_tok, kv_sum_dq, plan.nkv_dq, kv_tok_dq, s.batch, a.mask,
                                   /*rows_are_q=*/true, const_cast<TileRange*>(p.q_range_dq), stream)))
       return err;

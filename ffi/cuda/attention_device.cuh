@@ -60,9 +60,6 @@ struct WorkspaceLayout {
 using TileRange = int2;
 
 // Tile plan launchers (attention_plan_kernels.cu). All enqueue on `stream` only.
-// Summaries of tiles of `tile` tokens over [B, S] segment ids / positions: out [B, ceil(S/tile)].
-cudaError_t launch_tile_summaries(const int32_t* seg, const int32_t* pos, int64_t batch,
-                                  int64_t len, int tile, TileSummary* out, cudaStream_t stream);
 // The tokens behind one side's tile summaries: [B, len] segment ids / positions, tiles of `tile`.
 struct TileTokens {
   const int32_t* seg;
@@ -70,6 +67,10 @@ struct TileTokens {
   int64_t len;
   int tile;
 };
+// Summaries of the tiles of two sides in one launch: out_a [B, ceil(a.len / a.tile)], and out_b
+// likewise for b (out_b == nullptr: side a alone).
+cudaError_t launch_tile_summaries(const TileTokens& a, TileSummary* out_a, const TileTokens& b,
+                                  TileSummary* out_b, int64_t batch, cudaStream_t stream);
 constexpr int kMaxTileTokens = 128;  // the largest key tile launch_tile_ranges accepts
 // Runs of one segment id in a tile that the plans place one by one, each on its own summary (a
 // short document riding in a tile of a long one; more runs: the tile's summary as one run).

@@ -363,8 +363,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
                                     stream)))
       return err;
   } else {
-    if ((err = launch_tile_summaries(kv_seg, kv_pos, s.batch, s.kv_len, block_n, kv_sum, stream))) return err;
-    if ((err = launch_tile_summaries(q_seg, q_pos, s.batch, s.q_len, kFwdBlockM, q_sum, stream))) return err;
+    if ((err = launch_tile_summaries(q_tok, q_sum, kv_tok, kv_sum, s.batch, stream))) return err;
     if ((err = launch_tile_ranges(q_sum, nq, q_tok, kv_sum, nkv, kv_tok, s.batch, a.mask, /*rows_are_q=*/true,
                                   q_range, stream)))
       return err;

@@ -11,15 +11,22 @@ namespace {
 
 constexpr int kSummaryThreads = 128;
 
-__global__ void __launch_bounds__(kSummaryThreads) tile_summary_kernel(
-    const int32_t* __restrict__ seg, const int32_t* __restrict__ pos, int64_t len, int tile,
-    int64_t n_tiles, TileSummary* __restrict__ out) {
-  const int64_t t = blockIdx.x, b = blockIdx.y;
-  const int64_t start = t * tile;
-  const int64_t end = start + tile < len ? start + tile : len;
+// Tile summaries of two sides in one launch (the plans need both, and a launch costs a few
+// microseconds of a short call): blocks [0, n_a) take side a's tiles, the rest side b's.
+__global__ void __launch_bounds__(kSummaryThreads) tile_summary_kernel(TileTokens tok_a, int64_t n_a,
+                                                                       TileSummary* __restrict__ out_a,
+                                                                       TileTokens tok_b, int64_t n_b,
+                                                                       TileSummary* __restrict__ out_b) {
+  const bool side_a = blockIdx.x < n_a;
+  const TileTokens tok = side_a ? tok_a : tok_b;
+  const int64_t n_tiles = side_a ? n_a : n_b;
+  TileSummary* out = side_a ? out_a : out_b;
+  const int64_t t = side_a ? blockIdx.x : blockIdx.x - n_a, b = blockIdx.y;
+  const int64_t start = t * tok.tile, len = tok.len;
+  const int64_t end = start + tok.tile < len ? start + tok.tile : len;
   TileSummary sum = detail::empty_summary();
   for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x)
-    sum = detail::merge_summaries(sum, detail::token_summary(seg[b * len + i], pos[b * len + i]));
+    sum = detail::merge_summaries(sum, detail::token_summary(tok.seg[b * len + i], tok.pos[b * len + i]));
   sum = detail::warp_merge_summary(sum);
   __shared__ TileSummary red[kSummaryThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -215,13 +222,13 @@ cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int index_o
   return cudaGetLastError();
 }
 
-cudaError_t launch_tile_summaries(const int32_t* seg, const int32_t* pos, int64_t batch,
-                                  int64_t len, int tile, TileSummary* out, cudaStream_t stream) {
-  const int64_t n_tiles = ceil_div64(len, tile);
-  if (batch == 0 || n_tiles == 0) return cudaSuccess;
-  if (batch > 65535 || n_tiles > INT_MAX) return cudaErrorInvalidValue;
-  tile_summary_kernel<<<dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(batch)),
-                        kSummaryThreads, 0, stream>>>(seg, pos, len, tile, n_tiles, out);
+cudaError_t launch_tile_summaries(const TileTokens& a, TileSummary* out_a, const TileTokens& b,
+                                  TileSummary* out_b, int64_t batch, cudaStream_t stream) {
+  const int64_t n_a = ceil_div64(a.len, a.tile), n_b = out_b != nullptr ? ceil_div64(b.len, b.tile) : 0;
+  if (batch == 0 || n_a + n_b == 0) return cudaSuccess;
+  if (batch > 65535 || n_a + n_b > INT_MAX) return cudaErrorInvalidValue;
+  tile_summary_kernel<<<dim3(static_cast<unsigned>(n_a + n_b), static_cast<unsigned>(batch)), kSummaryThreads,
+                        0, stream>>>(a, n_a, out_a, b, n_b, out_b);
   return cudaGetLastError();
 }
 
