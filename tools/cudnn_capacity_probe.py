@@ -41,9 +41,9 @@ def main():
     rows = ba.case_rows(case)
     q, k, v, dout = ba.case_inputs(case, jnp.bfloat16)
     for per_doc in args.per_doc.split(","):
-      m = None if per_doc == "own" else case.seq_len // int(per_doc)
+      m = None if per_doc == "own" else ba.static_doc_capacity(case.seq_len, int(per_doc))
       calls = ba._calls(ba._cudnn_packed(case, rows, jnp.bfloat16, m), q, k, v, dout)
-      asked = {mode: asked_gib(f, args) for mode, (f, args) in calls.items()}
+      asked = {mode: asked_gib(f, call_args) for mode, (f, call_args) in calls.items()}
       label = f"M = {max(map(len, rows))} (own)" if m is None else f"M = S/{per_doc} = {m}"
       print(f"{case.name}: {label}: fwd {asked['fwd']:.1f} GiB, fwd+bwd {asked['fwd_bwd']:.1f} GiB", flush=True)
 
