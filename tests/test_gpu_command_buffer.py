@@ -27,7 +27,8 @@ pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-TARGETS = ("jaxcp_attention_fwd", "jaxcp_attention_bwd", "jaxcp_small_seq_fwd", "jaxcp_small_seq_bwd")
+TARGETS = ("jaxcp_attention_fwd", "jaxcp_attention_bwd", "jaxcp_attention_fwd_plan", "jaxcp_attention_bwd_plan",
+           "jaxcp_small_seq_fwd", "jaxcp_small_seq_bwd")
 EXACT = 9  # _program's outputs that must match bit for bit: attention out, lse, dq, dk, dv; small-seq out, dq, dk, dv
 RUN_SEEDS = (0, 1, 0, 0)  # the inputs of the runs: A, B, A, A
 RUNS = len(RUN_SEEDS)

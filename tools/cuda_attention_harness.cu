@@ -283,12 +283,15 @@ void run_gpu(const TestCase& c, const AttentionArgs& a, const DevBuf& q, const D
   DevBuf out(nq * 2), lse(nl * 4);
   AttentionArgs af = a;
   {
-    const size_t wb = cuda::attention_fwd_workspace_bytes(af);
-    DevBuf ws(wb);
+    const size_t wb = cuda::attention_fwd_workspace_bytes(af), pb = cuda::attention_fwd_plan_bytes(af);
+    DevBuf ws(wb), plan(pb);
     CK(cudaMemset(out.p, 0xff, out.n));  // poison: the kernel must write everything
     CK(cudaMemset(lse.p, 0xff, lse.n));
+    CK(cudaMemset(plan.p, 0xff, plan.n));  // plan content on entry must not matter
+    CK(cuda::attention_fwd_plan(af, qs.as<int32_t>(), qp.as<int32_t>(), ks.as<int32_t>(), kp.as<int32_t>(), plan.p,
+                                pb, 0));
     CK(cuda::attention_fwd(af, c.dtype, q.p, k.p, v.p, qs.as<int32_t>(), qp.as<int32_t>(),
-                           ks.as<int32_t>(), kp.as<int32_t>(), out.p, lse.as<float>(), ws.p, wb, 0));
+                           ks.as<int32_t>(), kp.as<int32_t>(), plan.p, pb, out.p, lse.as<float>(), ws.p, wb, 0));
     CK(cudaDeviceSynchronize());
     r->out = download16(out, nq, c.dtype);
     r->lse = download_f32(lse, nl);
@@ -302,15 +305,18 @@ void run_gpu(const TestCase& c, const AttentionArgs& a, const DevBuf& q, const D
   }
   AttentionArgs ab = a;
   ab.deterministic = deterministic;
-  const size_t wb = cuda::attention_bwd_workspace_bytes(ab);
-  DevBuf ws(wb), dq(nq * 2), dk(nkv * 2), dv(nkv * 2);
+  const size_t wb = cuda::attention_bwd_workspace_bytes(ab), pb = cuda::attention_bwd_plan_bytes(ab);
+  DevBuf ws(wb), plan(pb), dq(nq * 2), dk(nkv * 2), dv(nkv * 2);
   CK(cudaMemset(dq.p, 0xff, dq.n));
   CK(cudaMemset(dk.p, 0xff, dk.n));
   CK(cudaMemset(dv.p, 0xff, dv.n));
   CK(cudaMemset(ws.p, 0xff, ws.n));  // workspace content on entry must not matter
+  CK(cudaMemset(plan.p, 0xff, plan.n));
+  CK(cuda::attention_bwd_plan(ab, qs.as<int32_t>(), qp.as<int32_t>(), ks.as<int32_t>(), kp.as<int32_t>(), plan.p,
+                              pb, 0));
   CK(cuda::attention_bwd(ab, c.dtype, q.p, k.p, v.p, out.p, lse.as<float>(), dout.p,
                          dlse.as<float>(), qs.as<int32_t>(), qp.as<int32_t>(), ks.as<int32_t>(), kp.as<int32_t>(),
-                         dq.p, dk.p, dv.p, ws.p, wb, 0));
+                         plan.p, pb, dq.p, dk.p, dv.p, ws.p, wb, 0));
   CK(cudaDeviceSynchronize());
   r->dq = download16(dq, nq, c.dtype);
   r->dk = download16(dk, nkv, c.dtype);
@@ -391,8 +397,8 @@ Errors run_case(const TestCase& c) {
       bool any = false;
       const int32_t qsg = t.q_seg[size_t(b) * c.Sq + i], qps = t.q_pos[size_t(b) * c.Sq + i];
       for (int j = 0; j < c.Skv; ++j)
-        if (pair_allowed(qsg, qps, t.kv_seg[size_t(b) * c.Skv + j], t.kv_pos[size_t(b) * c.Skv + j],
-                         c.mask)) {
+        if (allowed(make_row_mask(true, qsg, qps, c.mask),
+                    make_col_mask(true, t.kv_seg[size_t(b) * c.Skv + j], t.kv_pos[size_t(b) * c.Skv + j]))) {
           any = true;
           kv_used[j] = 1;
         }
@@ -632,15 +638,23 @@ bool time_case(const TimeCase& tc) {
   ad.deterministic = true;
   const size_t wf = cuda::attention_fwd_workspace_bytes(a), wb = cuda::attention_bwd_workspace_bytes(a),
                wd = cuda::attention_bwd_workspace_bytes(ad);
-  DevBuf ws(std::max(wf, std::max(wb, wd)));
+  const size_t pf = cuda::attention_fwd_plan_bytes(a), pb = cuda::attention_bwd_plan_bytes(a),
+               pd = cuda::attention_bwd_plan_bytes(ad);
+  DevBuf ws(std::max(wf, std::max(wb, wd))), plan(std::max(pf, std::max(pb, pd)));
   const int32_t* S_ = sg.as<int32_t>();
   const int32_t* P_ = ps.as<int32_t>();
+  // Timed with their plans, as one attention call of a model runs them.
   auto fwd = [&]() {
-    return cuda::attention_fwd(a, dt, q.p, k.p, v.p, S_, P_, S_, P_, out.p, lse.as<float>(), ws.p, ws.n, 0);
+    cudaError_t e = cuda::attention_fwd_plan(a, S_, P_, S_, P_, plan.p, plan.n, 0);
+    if (e != cudaSuccess) return e;
+    return cuda::attention_fwd(a, dt, q.p, k.p, v.p, S_, P_, S_, P_, plan.p, plan.n, out.p, lse.as<float>(), ws.p,
+                               ws.n, 0);
   };
   auto bwd = [&](const AttentionArgs& aa, DevBuf& gq, DevBuf& gk, DevBuf& gv) {
+    cudaError_t e = cuda::attention_bwd_plan(aa, S_, P_, S_, P_, plan.p, plan.n, 0);
+    if (e != cudaSuccess) return e;
     return cuda::attention_bwd(aa, dt, q.p, k.p, v.p, out.p, lse.as<float>(), dout.p, nullptr, S_, P_, S_, P_,
-                               gq.p, gk.p, gv.p, ws.p, ws.n, 0);
+                               plan.p, plan.n, gq.p, gk.p, gv.p, ws.p, ws.n, 0);
   };
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));

@@ -1,6 +1,8 @@
 // The one FFI signature of the attention handlers, shared by the CPU and CUDA modules so the
 // two can never drift apart (the Python lowering passes operands, results and attributes in
-// this order). Platform context (e.g. the CUDA stream) is bound before these.
+// this order). Platform context (e.g. the CUDA stream) is bound before these. The CUDA handlers
+// bind one operand more after these, the tile plan (ffi/cuda/attention_cuda.cc): the last
+// operand, and the handler's last parameter (operands, results and attributes are decoded apart).
 #pragma once
 #include <utility>
 

@@ -168,9 +168,12 @@ struct BwdPlan {
   int bm = kBwdBlockM;  // query tile of the dK/dV plan: bwd_sm90_block_m for the sm_90a kernel
   int splits = 1, head_chunk = 1;
   bool sm90 = false;
-  size_t q_sum = 0, kv_sum = 0, kv_range = 0, kv_order = 0, kv_sum_dq = 0, q_range_dq = 0,
-         q_order_dq = 0, delta = 0, lse2 = 0, q_ids = 0, dq_accum = 0, dq_ticket = 0, dq_sem = 0, dk_part = 0,
-         dv_part = 0, bytes = 0;
+  // Offsets into the plan buffer (attention_bwd_plan's: token metadata only) ...
+  size_t q_sum = 0, kv_sum = 0, kv_range = 0, kv_order = 0, kv_sum_dq = 0, q_range_dq = 0, q_order_dq = 0,
+         plan_bytes = 0;
+  // ... and into the per-call workspace.
+  size_t delta = 0, lse2 = 0, q_ids = 0, dq_accum = 0, dq_ticket = 0, dq_sem = 0, dk_part = 0, dv_part = 0,
+         bytes = 0;
   // Deterministic dQ: by the sm_80 dQ kernel (its own plan), or by the sm_90a kernel taking turns.
   bool sm80_dq = false, ordered_dq = false;
 };
@@ -206,23 +209,26 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
     while (hc < pairs && (tiles * hc < want || pairs % hc != 0)) ++hc;
     r.head_chunk = static_cast<int>(hc);
   }
+  r.sm80_dq = a.deterministic && !r.sm90;
+  r.ordered_dq = a.deterministic && r.sm90;
+  WorkspaceLayout pl;
+  r.q_sum = pl.take(sizeof(TileSummary) * s.batch * r.nq);
+  r.kv_sum = pl.take(sizeof(TileSummary) * s.batch * r.nkv);
+  r.kv_range = pl.take(sizeof(TileRange) * s.batch * r.nkv);
+  r.kv_order = pl.take(sizeof(int) * s.batch * r.nkv);
+  if (r.sm80_dq) {
+    r.kv_sum_dq = pl.take(sizeof(TileSummary) * s.batch * r.nkv_dq);
+    r.q_range_dq = pl.take(sizeof(TileRange) * s.batch * r.nq);
+    r.q_order_dq = pl.take(sizeof(int) * s.batch * r.nq);
+  }
+  r.plan_bytes = pl.bytes;
   WorkspaceLayout w;
-  r.q_sum = w.take(sizeof(TileSummary) * s.batch * r.nq);
-  r.kv_sum = w.take(sizeof(TileSummary) * s.batch * r.nkv);
-  r.kv_range = w.take(sizeof(TileRange) * s.batch * r.nkv);
-  r.kv_order = w.take(sizeof(int) * s.batch * r.nkv);
   r.delta = w.take(sizeof(float) * s.batch * s.q_heads * (r.sm90 ? r.sq_pad : s.q_len));
   if (r.sm90) {
     r.lse2 = w.take(sizeof(float) * s.batch * s.q_heads * r.sq_pad);
     r.q_ids = w.take(sizeof(ColMask) * s.batch * r.sq_pad);
   }
-  r.sm80_dq = a.deterministic && !r.sm90;
-  r.ordered_dq = a.deterministic && r.sm90;
-  if (r.sm80_dq) {
-    r.kv_sum_dq = w.take(sizeof(TileSummary) * s.batch * r.nkv_dq);
-    r.q_range_dq = w.take(sizeof(TileRange) * s.batch * r.nq);
-    r.q_order_dq = w.take(sizeof(int) * s.batch * r.nq);
-  } else {
+  if (!r.sm80_dq) {
     // sm_90a: per query tile, padded to whole tiles (see attention_bwd_sm90_kernels.cu).
     r.dq_accum = w.take(sizeof(float) * s.batch * (r.sm90 ? r.sq_pad : s.q_len) * s.q_heads * s.head_dim);
     if (r.ordered_dq) {
@@ -319,6 +325,8 @@ cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdP
 
 size_t attention_bwd_workspace_bytes(const AttentionArgs& a) { return detail::bwd_plan(a).bytes; }
 
+size_t attention_bwd_plan_bytes(const AttentionArgs& a) { return detail::bwd_plan(a).plan_bytes; }
+
 bool attention_bwd_head_dim_supported(const AttentionArgs& a) {
   const int64_t d = a.shape.head_dim, dv = a.shape.v_dim();
   // The deterministic D 96 / 192 backward may take the sm_80 kernels (bwd_use_sm90), which have
@@ -328,16 +336,76 @@ bool attention_bwd_head_dim_supported(const AttentionArgs& a) {
   return sm80_head_dim(d) || (sm90_head_dim(d) && sm90_only);
 }
 
+namespace detail {
+
+// Whether the kernels take these arguments (the launchers return cudaErrorInvalidValue if not).
+bool bwd_args_ok(const AttentionArgs& a, const BwdPlan& plan) {
+  const AttentionShape& s = a.shape;
+  if (!attention_bwd_head_dim_supported(a)) return false;
+  if (s.batch < 0 || s.q_len < 0 || s.kv_len < 0 || s.q_heads < 0 || s.kv_heads <= 0 ||
+      s.q_heads % s.kv_heads != 0)
+    return false;
+  return !(s.batch > 65535 || s.q_heads > 65535 || s.batch * plan.nq * s.q_heads > INT_MAX ||
+           s.batch * plan.nkv * s.q_heads > INT_MAX || plan.nq > INT_MAX || plan.nkv > INT_MAX ||
+           plan.nkv_dq > INT_MAX || s.q_len > INT_MAX || s.kv_len > INT_MAX);
+}
+
+// Calls with nothing to plan: no query, key or head (the gradients are then zeros or empty).
+bool bwd_nothing_to_plan(const AttentionShape& s) {
+  return s.batch == 0 || s.q_heads == 0 || s.q_len == 0 || s.kv_len == 0;
+}
+
+}  // namespace detail
+
+cudaError_t attention_bwd_plan(const AttentionArgs& a, const int32_t* q_seg, const int32_t* q_pos,
+                               const int32_t* kv_seg, const int32_t* kv_pos, void* plan_buffer, size_t plan_bytes,
+                               cudaStream_t stream) {
+  const AttentionShape& s = a.shape;
+  const detail::BwdPlan plan = detail::bwd_plan(a);
+  if (!detail::bwd_args_ok(a, plan)) return cudaErrorInvalidValue;
+  if (detail::bwd_nothing_to_plan(s)) return cudaSuccess;
+  if (plan_bytes < plan.plan_bytes || plan_buffer == nullptr) return cudaErrorInvalidValue;
+  char* base = static_cast<char*>(plan_buffer);
+  auto* q_sum = reinterpret_cast<TileSummary*>(base + plan.q_sum);
+  auto* kv_sum = reinterpret_cast<TileSummary*>(base + plan.kv_sum);
+  auto* kv_range = reinterpret_cast<TileRange*>(base + plan.kv_range);
+  const int bn = bwd_block_n(s.head_dim), bn_dq = dq_block_n(s.head_dim);
+  cudaError_t err;
+  const TileTokens q_tok{q_seg, q_pos, s.q_len, plan.bm}, kv_tok{kv_seg, kv_pos, s.kv_len, bn};
+  if ((err = launch_tile_summaries(q_tok, q_sum, kv_tok, kv_sum, s.batch, stream))) return err;
+  if ((err = launch_tile_ranges(kv_sum, plan.nkv, kv_tok, q_sum, plan.nq, q_tok, s.batch, a.mask,
+                                /*rows_are_q=*/false, kv_range, stream)))
+    return err;
+  // The deterministic sm_90a kernel's turns need blocks to start in decreasing key tile order.
+  const int index_order_max_work = plan.ordered_dq ? kDecreasingIndexOrder
+                                   : plan.sm90     ? detail::kBwdIndexOrderMaxQueries / plan.bm
+                                                   : 0;
+  if ((err = launch_tile_schedule(kv_range, s.batch * plan.nkv, index_order_max_work,
+                                  reinterpret_cast<int*>(base + plan.kv_order), stream)))
+    return err;
+  if (plan.sm80_dq) {
+    auto* kv_sum_dq = reinterpret_cast<TileSummary*>(base + plan.kv_sum_dq);
+    auto* q_range_dq = reinterpret_cast<TileRange*>(base + plan.q_range_dq);
+    const TileTokens kv_tok_dq{kv_seg, kv_pos, s.kv_len, bn_dq};
+    if ((err = launch_tile_summaries(kv_tok_dq, kv_sum_dq, kv_tok_dq, nullptr, s.batch, stream))) return err;
+    if ((err = launch_tile_ranges(q_sum, plan.nq, q_tok, kv_sum_dq, plan.nkv_dq, kv_tok_dq, s.batch, a.mask,
+                                  /*rows_are_q=*/true, q_range_dq, stream)))
+      return err;
+    if ((err = launch_tile_schedule(q_range_dq, s.batch * plan.nq, /*index_order_max_work=*/0,
+                                    reinterpret_cast<int*>(base + plan.q_order_dq), stream)))
+      return err;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, const void* k,
                           const void* v, const void* out, const float* lse, const void* dout,
                           const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
-                          const int32_t* kv_pos, void* dq, void* dk, void* dv, void* workspace,
-                          size_t workspace_bytes, cudaStream_t stream) {
+                          const int32_t* kv_pos, const void* plan_buffer, size_t plan_bytes, void* dq, void* dk,
+                          void* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
-  if (!attention_bwd_head_dim_supported(a)) return cudaErrorInvalidValue;
-  if (s.batch < 0 || s.q_len < 0 || s.kv_len < 0 || s.q_heads < 0 || s.kv_heads <= 0 ||
-      s.q_heads % s.kv_heads != 0)
-    return cudaErrorInvalidValue;
+  const detail::BwdPlan plan = detail::bwd_plan(a);
+  if (!detail::bwd_args_ok(a, plan)) return cudaErrorInvalidValue;
   const size_t elem = 2;
   const size_t q_bytes = elem * s.batch * s.q_len * s.q_heads * s.head_dim;
   const size_t k_bytes = elem * s.batch * s.kv_len * s.kv_heads * s.head_dim;
@@ -350,13 +418,11 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
     if (v_bytes && (err = cudaMemsetAsync(dv, 0, v_bytes, stream))) return err;
     return cudaSuccess;
   }
-  const detail::BwdPlan plan = detail::bwd_plan(a);
-  if (s.batch > 65535 || s.q_heads > 65535 || s.batch * plan.nq * s.q_heads > INT_MAX ||
-      s.batch * plan.nkv * s.q_heads > INT_MAX || plan.nq > INT_MAX || plan.nkv > INT_MAX ||
-      plan.nkv_dq > INT_MAX || s.q_len > INT_MAX || s.kv_len > INT_MAX)
-    return cudaErrorInvalidValue;
+  if (plan_bytes < plan.plan_bytes || plan_buffer == nullptr) return cudaErrorInvalidValue;
   if (workspace_bytes < plan.bytes || workspace == nullptr) return cudaErrorInvalidValue;
   char* base = static_cast<char*>(workspace);
+  // The kernels only read the plan (it may be shared with other calls).
+  const char* plan_base = static_cast<const char*>(plan_buffer);
 
   detail::BwdParams p{};
   p.q = q; p.k = k; p.v = v; p.dout = dout; p.lse = lse;
@@ -383,44 +449,16 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.scale = a.scale;
   p.scale_log2 = a.scale * kLog2e;
   p.mask = a.mask;
-  p.q_sum = reinterpret_cast<TileSummary*>(base + plan.q_sum);
-  p.kv_sum = reinterpret_cast<TileSummary*>(base + plan.kv_sum);
-  p.kv_range = reinterpret_cast<TileRange*>(base + plan.kv_range);
-  p.kv_order = reinterpret_cast<int*>(base + plan.kv_order);
+  p.q_sum = reinterpret_cast<const TileSummary*>(plan_base + plan.q_sum);
+  p.kv_sum = reinterpret_cast<const TileSummary*>(plan_base + plan.kv_sum);
+  p.kv_range = reinterpret_cast<const TileRange*>(plan_base + plan.kv_range);
+  p.kv_order = reinterpret_cast<const int*>(plan_base + plan.kv_order);
   p.nq = static_cast<int>(plan.nq);
   p.nkv = static_cast<int>(plan.nkv);
-  p.kv_sum_dq = plan.sm80_dq ? reinterpret_cast<TileSummary*>(base + plan.kv_sum_dq) : nullptr;
-  p.q_range_dq = plan.sm80_dq ? reinterpret_cast<TileRange*>(base + plan.q_range_dq) : nullptr;
-  p.q_order_dq = plan.sm80_dq ? reinterpret_cast<int*>(base + plan.q_order_dq) : nullptr;
+  p.kv_sum_dq = plan.sm80_dq ? reinterpret_cast<const TileSummary*>(plan_base + plan.kv_sum_dq) : nullptr;
+  p.q_range_dq = plan.sm80_dq ? reinterpret_cast<const TileRange*>(plan_base + plan.q_range_dq) : nullptr;
+  p.q_order_dq = plan.sm80_dq ? reinterpret_cast<const int*>(plan_base + plan.q_order_dq) : nullptr;
   p.nkv_dq = static_cast<int>(plan.nkv_dq);
-
-  const int bn = bwd_block_n(s.head_dim), bn_dq = dq_block_n(s.head_dim);
-  cudaError_t err;
-  auto* q_sum = const_cast<TileSummary*>(p.q_sum);
-  auto* kv_sum = const_cast<TileSummary*>(p.kv_sum);
-  const TileTokens q_tok{q_seg, q_pos, s.q_len, plan.bm}, kv_tok{kv_seg, kv_pos, s.kv_len, bn};
-  if ((err = launch_tile_summaries(q_tok, q_sum, kv_tok, kv_sum, s.batch, stream))) return err;
-  if ((err = launch_tile_ranges(kv_sum, plan.nkv, kv_tok, q_sum, plan.nq, q_tok, s.batch, a.mask,
-                                /*rows_are_q=*/false, const_cast<TileRange*>(p.kv_range), stream)))
-    return err;
-  // The deterministic sm_90a kernel's turns need blocks to start in decreasing key tile order.
-  const int index_order_max_work = plan.ordered_dq ? kDecreasingIndexOrder
-                                   : plan.sm90     ? detail::kBwdIndexOrderMaxQueries / plan.bm
-                                                   : 0;
-  if ((err = launch_tile_schedule(p.kv_range, s.batch * plan.nkv, index_order_max_work,
-                                  const_cast<int*>(p.kv_order), stream)))
-    return err;
-  if (plan.sm80_dq) {
-    auto* kv_sum_dq = const_cast<TileSummary*>(p.kv_sum_dq);
-    const TileTokens kv_tok_dq{kv_seg, kv_pos, s.kv_len, bn_dq};
-    if ((err = launch_tile_summaries(kv_tok_dq, kv_sum_dq, kv_tok_dq, nullptr, s.batch, stream))) return err;
-    if ((err = launch_tile_ranges(q_sum, plan.nq, q_tok, kv_sum_dq, plan.nkv_dq, kv_tok_dq, s.batch, a.mask,
-                                  /*rows_are_q=*/true, const_cast<TileRange*>(p.q_range_dq), stream)))
-      return err;
-    if ((err = launch_tile_schedule(p.q_range_dq, s.batch * plan.nq, /*index_order_max_work=*/0,
-                                    const_cast<int*>(p.q_order_dq), stream)))
-      return err;
-  }
   return dtype == DType::kBF16
              ? detail::dispatch_bwd<cutlass::bfloat16_t>(a, plan, p, out, dlse, dq, stream)
              : detail::dispatch_bwd<cutlass::half_t>(a, plan, p, out, dlse, dq, stream);

@@ -1,9 +1,12 @@
 // XLA FFI handlers (platform "CUDA") for packed-document attention. Same binding as the CPU
-// handlers (ffi/cpu/attention_cpu.cc), plus the stream from the FFI context. The workspace is
-// the last result buffer, sized at trace time by the module's *_workspace_bytes functions: an
-// XLA-owned buffer keeps its address under CUDA-graph (command buffer) capture, which a
-// per-call scratch allocation would not. Host code only: validation and kernel launches
-// (ffi/cuda/attention_kernels.h). No synchronisation, no host-device copies.
+// handlers (ffi/cpu/attention_cpu.cc), plus the stream from the FFI context and the tile plan
+// operand. The plan handlers (jaxcp_attention_<fwd|bwd>_plan) build the plan from the token
+// arrays alone, so XLA can merge the plan calls of layers that share segment ids and positions
+// into one. The workspace is the last result buffer, sized at trace time by the module's
+// *_workspace_bytes functions (the plan's by *_plan_bytes): an XLA-owned buffer keeps its address
+// under CUDA-graph (command buffer) capture, which a per-call scratch allocation would not. Host
+// code only: validation and kernel launches (ffi/cuda/attention_kernels.h). No
+// synchronisation, no host-device copies.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -72,13 +75,76 @@ ffi::Error workspace_of(ffi::Result<AnyBuffer>& ws, size_t needed, void** out) {
   return ffi::Error::Success();
 }
 
+// The plan operand's data and size, checked against what the launchers need for a.
+ffi::Error plan_of(const AnyBuffer& plan, size_t needed, const void** out) {
+  if (plan.size_bytes() < needed)
+    return invalid("plan has " + std::to_string(plan.size_bytes()) + " bytes, the kernels need " +
+                   std::to_string(needed) + " (mis-sized at trace time)");
+  *out = plan.untyped_data();
+  return ffi::Error::Success();
+}
+
+// A plan call's shape: batch and lengths from the token arrays, heads and head dims from its
+// attributes (the lowering gives them the attention call's values).
+ffi::Error plan_shape_from(const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& q_pos,
+                           const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& kv_pos, int64_t q_heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t v_head_dim, AttentionShape* s) {
+  auto qd = q_seg.dimensions(), kd = kv_seg.dimensions();
+  if (qd.size() != 2 || kd.size() != 2 || kd[0] != qd[0])
+    return invalid("segment ids must have shapes [B, Sq] and [B, Skv]");
+  if (kv_heads <= 0 || q_heads < 0 || q_heads % kv_heads != 0 || head_dim <= 0 || v_head_dim <= 0)
+    return invalid("plan: q_heads must be a multiple of kv_heads > 0, and head dims positive");
+  *s = AttentionShape{qd[0], qd[1], kd[1], q_heads, kv_heads, head_dim, v_head_dim};
+  return check_token_arrays(*s, q_seg, q_pos, kv_seg, kv_pos);
+}
+
+ffi::Error AttentionFwdPlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
+                                ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
+                                ffi::Result<AnyBuffer> plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
+                                int64_t chunk_size, float scale) {
+  count_call(Handler::kAttentionFwdPlan, stream);
+  AttentionShape shape;
+  if (auto e = plan_shape_from(q_seg, q_pos, kv_seg, kv_pos, q_heads, kv_heads, head_dim, v_head_dim, &shape);
+      e.failure())
+    return e;
+  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size, scale,
+                                         /*deterministic=*/true);
+  if (auto e = check_head_dims(shape, attention_fwd_head_dim_supported(a)); e.failure()) return e;
+  void* buf = nullptr;
+  if (auto e = workspace_of(plan, attention_fwd_plan_bytes(a), &buf); e.failure()) return e;
+  return launch_status(attention_fwd_plan(a, q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(),
+                                          kv_pos.typed_data(), buf, plan->size_bytes(), stream),
+                       "jaxcp_attention_fwd_plan");
+}
+
+ffi::Error AttentionBwdPlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
+                                ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
+                                ffi::Result<AnyBuffer> plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
+                                int64_t chunk_size, float scale, bool deterministic) {
+  count_call(Handler::kAttentionBwdPlan, stream);
+  AttentionShape shape;
+  if (auto e = plan_shape_from(q_seg, q_pos, kv_seg, kv_pos, q_heads, kv_heads, head_dim, v_head_dim, &shape);
+      e.failure())
+    return e;
+  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size, scale,
+                                         deterministic);
+  if (auto e = check_head_dims(shape, attention_bwd_head_dim_supported(a)); e.failure()) return e;
+  void* buf = nullptr;
+  if (auto e = workspace_of(plan, attention_bwd_plan_bytes(a), &buf); e.failure()) return e;
+  return launch_status(attention_bwd_plan(a, q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(),
+                                          kv_pos.typed_data(), buf, plan->size_bytes(), stream),
+                       "jaxcp_attention_bwd_plan");
+}
+
 ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
                             AnyBuffer k, AnyBuffer v, ffi::Buffer<ffi::S32> q_seg,
                             ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
                             ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> out,
                             ffi::ResultBuffer<ffi::F32> lse, ffi::Result<AnyBuffer> workspace,
                             bool is_causal, int64_t window_left,
-                            int64_t window_right, int64_t chunk_size, float scale) {
+                            int64_t window_right, int64_t chunk_size, float scale, AnyBuffer plan) {
   count_call(Handler::kAttentionFwd, stream);
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
@@ -93,11 +159,13 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
   const size_t ws_bytes = attention_fwd_workspace_bytes(a);
   void* ws = nullptr;
   if (auto e = workspace_of(workspace, ws_bytes, &ws); e.failure()) return e;
+  const void* plan_data = nullptr;
+  if (auto e = plan_of(plan, attention_fwd_plan_bytes(a), &plan_data); e.failure()) return e;
   return launch_status(
       attention_fwd(a, dtype, q.untyped_data(), k.untyped_data(), v.untyped_data(),
                     q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(),
-                    kv_pos.typed_data(), out->untyped_data(), lse->typed_data(), ws, ws_bytes,
-                    stream),
+                    kv_pos.typed_data(), plan_data, plan.size_bytes(), out->untyped_data(),
+                    lse->typed_data(), ws, ws_bytes, stream),
       "jaxcp_attention_fwd");
 }
 
@@ -109,7 +177,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
                             ffi::Result<AnyBuffer> dk, ffi::Result<AnyBuffer> dv,
                             ffi::Result<AnyBuffer> workspace, bool is_causal,
                             int64_t window_left, int64_t window_right, int64_t chunk_size,
-                            float scale, bool deterministic) {
+                            float scale, bool deterministic, AnyBuffer plan) {
   count_call(Handler::kAttentionBwd, stream);
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
@@ -129,13 +197,14 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
   const size_t ws_bytes = attention_bwd_workspace_bytes(a);
   void* ws = nullptr;
   if (auto e = workspace_of(workspace, ws_bytes, &ws); e.failure()) return e;
+  const void* plan_data = nullptr;
+  if (auto e = plan_of(plan, attention_bwd_plan_bytes(a), &plan_data); e.failure()) return e;
   return launch_status(
       attention_bwd(a, dtype, q.untyped_data(), k.untyped_data(), v.untyped_data(),
                     out.untyped_data(), lse.typed_data(), dout.untyped_data(), dlse.typed_data(),
-                    q_seg.typed_data(),
-                    q_pos.typed_data(), kv_seg.typed_data(), kv_pos.typed_data(),
-                    dq->untyped_data(), dk->untyped_data(), dv->untyped_data(), ws, ws_bytes,
-                    stream),
+                    q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(), kv_pos.typed_data(),
+                    plan_data, plan.size_bytes(), dq->untyped_data(), dk->untyped_data(),
+                    dv->untyped_data(), ws, ws_bytes, stream),
       "jaxcp_attention_bwd");
 }
 
@@ -145,10 +214,44 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
 namespace ffi = xla::ffi;
 using xla::ffi::AnyBuffer;
 
+namespace {
+
+// plan: q_seg, q_pos, kv_seg, kv_pos -> plan (uint8); attributes: the attention call's heads, head
+// dims, mask and scale (and, for the backward's, deterministic).
+template <typename Binding>
+auto bind_attention_plan(Binding b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // q_seg
+      .template Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+      .template Arg<ffi::Buffer<ffi::S32>>()  // kv_seg
+      .template Arg<ffi::Buffer<ffi::S32>>()  // kv_pos
+      .template Ret<ffi::AnyBuffer>()         // plan
+      .template Attr<int64_t>("q_heads")
+      .template Attr<int64_t>("kv_heads")
+      .template Attr<int64_t>("head_dim")
+      .template Attr<int64_t>("v_head_dim")
+      .template Attr<bool>("is_causal")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<int64_t>("chunk_size")
+      .template Attr<float>("scale");
+}
+
+auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_fwd_plan, jaxcp::cuda::AttentionFwdPlanImpl,
+                              bind_attention_plan(cuda_bind()), {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd_plan, jaxcp::cuda::AttentionBwdPlanImpl,
+                              bind_attention_plan(cuda_bind()).Attr<bool>("deterministic"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_fwd, jaxcp::cuda::AttentionFwdImpl,
-                              jaxcp::bind_attention_fwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              jaxcp::bind_attention_fwd(cuda_bind()).Arg<AnyBuffer>(),  // + plan
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd, jaxcp::cuda::AttentionBwdImpl,
-                              jaxcp::bind_attention_bwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              jaxcp::bind_attention_bwd(cuda_bind()).Arg<AnyBuffer>(),  // + plan
                               {xla::ffi::Traits::kCmdBufferCompatible});

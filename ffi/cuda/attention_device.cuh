@@ -111,7 +111,6 @@ struct DocTileWorkspace {
   int* offsets;
   int* total;
   DocTile* tiles;
-  int* tile_counter;  // the attention kernel's next-tile counter: zeroed by the plan
 };
 // Builds the plan for queries `q` against keys `kv` (kv.tile = the kernel's block N, n_kv_tiles
 // of them). fixed_grid: tiles of kFwdBlockM rows from token 0 (a development aid:

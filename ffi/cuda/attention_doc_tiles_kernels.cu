@@ -190,7 +190,7 @@ __device__ int2 block_min_max(int mn, int mx) {
 __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     const int* __restrict__ starts, const int* __restrict__ counts, const int* __restrict__ offsets, int capacity,
     TileTokens q, const TileSummary* __restrict__ windows, int64_t n_kv_tiles, TileTokens kv, MaskParams mask,
-    int64_t batch, DocTile* __restrict__ tiles, int* __restrict__ total, int* __restrict__ tile_counter) {
+    int64_t batch, DocTile* __restrict__ tiles, int* __restrict__ total) {
   __shared__ int32_t row_seg[kFwdBlockM];
   __shared__ TileSummary sum_part[kPlanThreads / 32];
   __shared__ int offset_part[kPlanThreads / 32];
@@ -198,7 +198,6 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
   const int t = threadIdx.x;
   const int64_t i = blockIdx.x, b = blockIdx.y;
   const int count = counts[b];
-  if (i == 0 && b == 0 && t == 0) *tile_counter = 0;  // for the attention kernel, launched next
   if (i >= count) return;  // the whole block
   // Tiles of the rows before b (and of all rows, written once): summed here up to
   // kInlineOffsetRows rows, which spares a launch; beyond, doc_tile_offsets_kernel ran first.
@@ -372,8 +371,7 @@ cudaError_t launch_doc_tile_plan(const TileTokens& q, int64_t n_kv_tiles, const 
   }
   doc_tile_plan_kernel<<<dim3(static_cast<unsigned>(capacity), static_cast<unsigned>(batch)), kPlanThreads, 0,
                          stream>>>(ws.starts, ws.counts, inline_offsets ? nullptr : ws.offsets, capacity, q,
-                                   ws.key_windows, n_kv_tiles, kv, mask, batch, ws.tiles, ws.total,
-                                   ws.tile_counter);
+                                   ws.key_windows, n_kv_tiles, kv, mask, batch, ws.tiles, ws.total);
   return cudaGetLastError();
 }
 

@@ -27,7 +27,7 @@ struct FwdParams {
   const TileSummary* kv_sum;  // [B, nkv]: key tiles of the kernel's block N
   const TileRange* q_range;   // [B, nq] (sm_80 kernel)
   const int* order;           // [B * nq]: (b * nq + m) tiles, heaviest first (sm_80 kernel)
-  int* tile_counter;          // the sm_90a kernel's next-tile counter (zeroed by the plan)
+  int* tile_counter;          // the sm_90a kernel's next-tile counter (zeroed per call)
   const DocTile* doc_tiles;   // the sm_90a kernel's query tiles (launch_doc_tile_plan)
   const int* doc_total;       // how many of them
   const TileSummary* key_windows;  // [B, Skv]: keys [x, x + block N) (launch_doc_tile_plan)

@@ -6,8 +6,9 @@
 //
 // Every launcher only enqueues work on `stream` (kernels and cudaMemsetAsync): no allocation,
 // no synchronisation, no host-device copies, so it can be captured into a CUDA graph. The caller
-// provides a device workspace of at least *_workspace_bytes(args) bytes (256-byte aligned);
-// its content on entry does not matter. Outputs are fully written.
+// provides a plan buffer of *_plan_bytes(args) bytes and a device workspace of at least
+// *_workspace_bytes(args) bytes (both 256-byte aligned); their content on entry does not matter
+// to the *_plan and attention launchers respectively. Outputs are fully written.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -31,18 +32,36 @@ bool attention_fwd_head_dim_supported(const AttentionArgs& args);
 // under sharding cannot see).
 bool attention_bwd_head_dim_supported(const AttentionArgs& args);
 
-// Bytes of workspace the forward needs (tile summaries and per-tile work ranges: O(B*S)).
+// The tile plan of a call: per-tile summaries of segment ids and positions, each tile's range of
+// partner tiles, the order of the work. It is built from q_seg / q_pos / kv_seg / kv_pos and
+// args alone (never from q, k, v) by attention_*_plan into a buffer of attention_*_plan_bytes,
+// which the attention launchers then only read: layers of a model that share segment ids and
+// positions can share one plan (XLA merges the identical plan calls).
+size_t attention_fwd_plan_bytes(const AttentionArgs& args);
+cudaError_t attention_fwd_plan(const AttentionArgs& args, const int32_t* q_seg, const int32_t* q_pos,
+                               const int32_t* kv_seg, const int32_t* kv_pos, void* plan, size_t plan_bytes,
+                               cudaStream_t stream);
+
+// Bytes of per-call workspace the forward needs besides its plan (the sm_90a kernel's tile counter).
 size_t attention_fwd_workspace_bytes(const AttentionArgs& args);
 
 // out = softmax(scale * q k^T, masked) v; lse = log-sum-exp of the masked scaled scores.
+// `plan` is attention_fwd_plan's for the same args and token arrays.
 // Rows with no allowed key: out 0, lse -inf. Returns cudaErrorInvalidValue for an unsupported
 // head dim or inconsistent shape, otherwise the launch status.
 cudaError_t attention_fwd(const AttentionArgs& args, DType dtype, const void* q, const void* k,
                           const void* v, const int32_t* q_seg, const int32_t* q_pos,
-                          const int32_t* kv_seg, const int32_t* kv_pos, void* out, float* lse,
-                          void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                          const int32_t* kv_seg, const int32_t* kv_pos, const void* plan,
+                          size_t plan_bytes, void* out, float* lse, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream);
 
-// Bytes of workspace the backward needs: tile summaries, dot(dO, O) rows, a float32 dQ
+// The backward's tile plan (as attention_fwd_plan's; it depends on deterministic too).
+size_t attention_bwd_plan_bytes(const AttentionArgs& args);
+cudaError_t attention_bwd_plan(const AttentionArgs& args, const int32_t* q_seg, const int32_t* q_pos,
+                               const int32_t* kv_seg, const int32_t* kv_pos, void* plan, size_t plan_bytes,
+                               cudaStream_t stream);
+
+// Bytes of per-call workspace the backward needs besides its plan: dot(dO, O) rows, a float32 dQ
 // accumulator (with per-tile turns when deterministic on sm_90a; none for the sm_80
 // deterministic dQ kernel), plus
 // float32 dK/dV partial sums when the query heads of a GQA group are split over several blocks.
@@ -50,13 +69,14 @@ cudaError_t attention_fwd(const AttentionArgs& args, DType dtype, const void* q,
 size_t attention_bwd_workspace_bytes(const AttentionArgs& args);
 
 // Gradients of attention_fwd. `out` and `lse` are the forward's results; `dout` and `dlse`
-// (float32 [B,Hq,Sq], may be null = zeros) the cotangents of out and lse. deterministic=true
+// (float32 [B,Hq,Sq], may be null = zeros) the cotangents of out and lse; `plan` is
+// attention_bwd_plan's for the same args and token arrays. deterministic=true
 // gives bitwise reproducible dq/dk/dv (sm_90a: the adds into each dQ tile in a fixed order;
 // sm_80 kernels: dQ by a separate pass per query tile, no atomics).
 cudaError_t attention_bwd(const AttentionArgs& args, DType dtype, const void* q, const void* k,
                           const void* v, const void* out, const float* lse, const void* dout,
                           const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
-                          const int32_t* kv_pos, void* dq, void* dk, void* dv, void* workspace,
-                          size_t workspace_bytes, cudaStream_t stream);
+                          const int32_t* kv_pos, const void* plan, size_t plan_bytes, void* dq, void* dk,
+                          void* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace jaxcp::cuda

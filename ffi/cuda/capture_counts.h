@@ -8,7 +8,7 @@
 
 namespace jaxcp::cuda {
 
-enum class Handler { kAttentionFwd, kAttentionBwd, kSmallSeqFwd, kSmallSeqBwd, kCount };
+enum class Handler { kAttentionFwd, kAttentionBwd, kAttentionFwdPlan, kAttentionBwdPlan, kSmallSeqFwd, kSmallSeqBwd, kCount };
 
 void count_call(Handler h, cudaStream_t stream);
 

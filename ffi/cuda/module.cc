@@ -33,6 +33,8 @@ NB_MODULE(_jaxcp_cuda, m) {
     nb::dict d;
     d["jaxcp_attention_fwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_fwd));
     d["jaxcp_attention_bwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_bwd));
+    d["jaxcp_attention_fwd_plan"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_fwd_plan));
+    d["jaxcp_attention_bwd_plan"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_bwd_plan));
     d["jaxcp_small_seq_fwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_small_seq_fwd));
     d["jaxcp_small_seq_bwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_small_seq_bwd));
     return d;
@@ -53,6 +55,8 @@ NB_MODULE(_jaxcp_cuda, m) {
     nb::dict d;
     const std::pair<const char*, Handler> handlers[] = {{"jaxcp_attention_fwd", Handler::kAttentionFwd},
                                                         {"jaxcp_attention_bwd", Handler::kAttentionBwd},
+                                                        {"jaxcp_attention_fwd_plan", Handler::kAttentionFwdPlan},
+                                                        {"jaxcp_attention_bwd_plan", Handler::kAttentionBwdPlan},
                                                         {"jaxcp_small_seq_fwd", Handler::kSmallSeqFwd},
                                                         {"jaxcp_small_seq_bwd", Handler::kSmallSeqBwd}};
     for (const auto& [name, h] : handlers) {
@@ -61,7 +65,20 @@ NB_MODULE(_jaxcp_cuda, m) {
     }
     return d;
   });
-  // Sizes for the current device (the backward's depends on its multiprocessor count).
+  // Sizes for the current device (the backward's workspace depends on its multiprocessor count).
+  // The plans' sizes take the same arguments as the workspaces' (the forward's holds the pieces of
+  // either forward kernel, so neither the value head dim nor the scale changes it).
+  m.def("attention_fwd_plan_bytes",
+        [](int64_t b, int64_t sq, int64_t skv, int64_t hq, int64_t hkv, int64_t d, bool causal,
+           int64_t wl, int64_t wr, int64_t chunk) {
+          return jaxcp::cuda::attention_fwd_plan_bytes(args_of(b, sq, skv, hq, hkv, d, causal, wl, wr, chunk, true));
+        });
+  m.def("attention_bwd_plan_bytes",
+        [](int64_t b, int64_t sq, int64_t skv, int64_t hq, int64_t hkv, int64_t d, bool causal,
+           int64_t wl, int64_t wr, int64_t chunk, bool deterministic) {
+          return jaxcp::cuda::attention_bwd_plan_bytes(
+              args_of(b, sq, skv, hq, hkv, d, causal, wl, wr, chunk, deterministic));
+        });
   m.def("attention_fwd_workspace_bytes",
         [](int64_t b, int64_t sq, int64_t skv, int64_t hq, int64_t hkv, int64_t d, bool causal,
            int64_t wl, int64_t wr, int64_t chunk) {

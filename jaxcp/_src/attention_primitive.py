@@ -1,7 +1,8 @@
 """JAX primitives for packed-document attention.
 
 Two layers, as in JAX's own cuDNN attention:
-- `*_kernel_p` lowers to the FFI target `jaxcp_attention_<fwd|bwd>` of the current platform;
+- `*_kernel_p` lowers to the FFI target `jaxcp_attention_<fwd|bwd>` of the current platform (on
+  CUDA after `jaxcp_attention_<fwd|bwd>_plan`, which builds the tile plan it takes);
 - `*_p` (the public-facing primitive) carries the batching rule (vmap folds into the batch
   axis) and lowers through `custom_partitioning`, which places the kernel per shard.
 """
@@ -63,8 +64,37 @@ def _with_workspace(abstract_eval):
 
 attention_fwd_kernel_p = make_primitive("jaxcp_attention_fwd_kernel", _with_workspace(_fwd_abstract))
 attention_bwd_kernel_p = make_primitive("jaxcp_attention_bwd_kernel", _with_workspace(_bwd_abstract))
-register_ffi_lowering(attention_fwd_kernel_p, FWD_TARGET, lambda config: config.ffi_attrs(False))
-register_ffi_lowering(attention_bwd_kernel_p, BWD_TARGET, lambda config: config.ffi_attrs(True))
+register_ffi_lowering(attention_fwd_kernel_p, FWD_TARGET, lambda config: config.ffi_attrs(False),
+                      platforms=("cpu",))
+register_ffi_lowering(attention_bwd_kernel_p, BWD_TARGET, lambda config: config.ffi_attrs(True),
+                      platforms=("cpu",))
+
+
+def _register_cuda_lowering(primitive, direction, target):
+  """On CUDA a kernel primitive lowers to two FFI calls: `<target>_plan`, which builds the tile plan
+  from the token arrays (the primitive's last four operands) alone, and `<target>`, which takes
+  that plan as an extra operand. Layers that share segment ids and positions then make identical
+  plan calls, which XLA's common-subexpression elimination merges into one."""
+  with_deterministic = direction == "bwd"
+  kernel_rule = compat.ffi_lowering(target)
+  plan_rule = compat.ffi_lowering(target + "_plan")
+
+  def lower(ctx, *args, config, **_):
+    q, k, v = ctx.avals_in[:3]
+    tokens = ctx.avals_in[-4:]
+    mask_attrs = config.ffi_attrs(with_deterministic)
+    plan_bytes = registry.attention_plan_bytes(direction, q.shape, k.shape, config.mask, config.deterministic)
+    plan_aval = compat.derived_aval(tokens[0], (plan_bytes,), jnp.uint8, (None,))
+    (plan,) = plan_rule(ctx.replace(avals_in=tokens, avals_out=[plan_aval]), *args[-4:],
+                        q_heads=np.int64(q.shape[2]), kv_heads=np.int64(k.shape[2]),
+                        head_dim=np.int64(q.shape[3]), v_head_dim=np.int64(v.shape[3]), **mask_attrs)
+    return kernel_rule(ctx.replace(avals_in=[*ctx.avals_in, plan_aval]), *args, plan, **mask_attrs)
+
+  compat.mlir.register_lowering(primitive, lower, platform="cuda")
+
+
+_register_cuda_lowering(attention_fwd_kernel_p, "fwd", FWD_TARGET)
+_register_cuda_lowering(attention_bwd_kernel_p, "bwd", BWD_TARGET)
 
 
 def fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):

@@ -23,15 +23,15 @@ def make_primitive(name, abstract_eval):
   return p
 
 
-def register_ffi_lowering(primitive, target, attrs_of):
-  """Lowers `primitive` to the FFI target on every kernel platform; `attrs_of(config)` gives
+def register_ffi_lowering(primitive, target, attrs_of, platforms=("cpu", "cuda")):
+  """Lowers `primitive` to the FFI target on the given kernel platforms; `attrs_of(config)` gives
   the FFI attributes (other primitive parameters are for abstract eval only)."""
   rule = compat.ffi_lowering(target)
 
   def lower(ctx, *args, config, **_):
     return rule(ctx, *args, **attrs_of(config))
 
-  for platform in ("cpu", "cuda"):
+  for platform in platforms:
     compat.mlir.register_lowering(primitive, lower, platform=platform)
 
 

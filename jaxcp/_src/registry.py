@@ -75,6 +75,18 @@ def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, determini
   return int(module.attention_bwd_workspace_bytes(*common, deterministic))
 
 
+def attention_plan_bytes(direction: str, q_shape, kv_shape, mask, deterministic: bool) -> int:
+  """Bytes of the CUDA attention's tile plan, the result of the plan call
+  (`jaxcp_attention_<fwd|bwd>_plan`) that the attention call takes as an operand."""
+  module = _load("CUDA")
+  b, sq, hq, d = q_shape
+  skv, hkv = kv_shape[1], kv_shape[2]
+  common = (b, sq, skv, hq, hkv, d, mask.is_causal, mask.window_left, mask.window_right, mask.chunk_size)
+  if direction == "fwd":
+    return int(module.attention_fwd_plan_bytes(*common))
+  return int(module.attention_bwd_plan_bytes(*common, deterministic))
+
+
 # The CUDA kernels' head dims (64, 128, 256; on sm_90a also 96 and 192, and the sm_90a forward a
 # value head dim of 128 next to 192: attention_head_dim_supported says which run where). Others
 # are zero-padded to the next.
