@@ -76,19 +76,18 @@ def test_layers_share_one_plan_per_direction():
 
 
 def test_different_segments_keep_their_own_plans():
-  """A layer with other segment ids (or another mask) gets its own plan, and its own result."""
+  """A layer with other segment ids gets its own plan, and its own result; the layers around it
+  still share theirs."""
   q, kvs, seg, pos = _inputs()
   seg2 = jnp.where(jnp.arange(S)[None, :] < S // 2, seg, seg + 1000)  # documents cut at S / 2
-  pos2 = pos  # positions as they were: only the segment ids differ
-  segs, poss = [seg, seg2, seg], [pos, pos2, pos]
-  fwd = jax.jit(_stack)
-  text = fwd.lower(q, kvs, segs, poss).compile().as_text()
+  fwd = jax.jit(lambda q, kvs, seg, seg2, pos: _stack(q, kvs, [seg, seg2, seg], [pos] * LAYERS))
+  text = fwd.lower(q, kvs, seg, seg2, pos).compile().as_text()
   assert _plan_calls(text, "fwd") == 2
   one = jax.jit(_layer)
   x = q
-  for (k, v), s, p in zip(kvs, segs, poss):
-    x = one(x, k, v, s, p)
-  np.testing.assert_array_equal(np.asarray(fwd(q, kvs, segs, poss), np.float32), np.asarray(x, np.float32))
+  for (k, v), s in zip(kvs, (seg, seg2, seg)):
+    x = one(x, k, v, s, pos)
+  np.testing.assert_array_equal(np.asarray(fwd(q, kvs, seg, seg2, pos), np.float32), np.asarray(x, np.float32))
 
 
 def test_shared_plan_under_scan_and_remat():

@@ -22,6 +22,7 @@ if [[ "$what" == "tests" || "$what" == "all" ]]; then
 fi
 if [[ "$what" == "bench" || "$what" == "all" ]]; then
   python3 benchmarks/bench_attention.py --out "$OUT" 2>&1 | tail -25
+  python3 benchmarks/bench_layers.py --out "$OUT" 2>&1 | tail -12
   [[ -f benchmarks/bench_small_seq.py ]] && python3 benchmarks/bench_small_seq.py --out "$OUT" 2>&1 | tail -15
 fi
 exit $rc
