@@ -21,6 +21,16 @@ def random_segments(rng: np.random.Generator, batch: int, seq_len: int, *, mean_
   return seg
 
 
+def positions_in_documents(seg: np.ndarray) -> np.ndarray:
+  """Each token's position inside its document (segment id) of its row, counting from 0."""
+  pos = np.zeros_like(seg)
+  for row in range(seg.shape[0]):
+    for doc in np.unique(seg[row]):
+      at = seg[row] == doc
+      pos[row, at] = np.arange(at.sum())
+  return pos
+
+
 def rel_err(a, b) -> float:
   a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
   b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)

@@ -21,7 +21,7 @@ import pytest
 
 import jaxcp
 
-from .helpers import random_segments, rel_err
+from .helpers import positions_in_documents, random_segments, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -42,11 +42,7 @@ def _inputs(seed):
   key = jax.random.PRNGKey(seed)
   normal = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)
   seg = random_segments(rng, b, s, mean_doc=150)
-  pos = np.zeros_like(seg)
-  for row in range(b):
-    for doc in np.unique(seg[row]):
-      at = seg[row] == doc
-      pos[row, at] = np.arange(at.sum())
+  pos = positions_in_documents(seg)
   n, keys = 3000, 11
   lengths = rng.integers(0, keys + 1, size=n)  # 0: an empty row
   kv_seg = (np.arange(keys)[None, :] < lengths[:, None]).astype(np.int32)

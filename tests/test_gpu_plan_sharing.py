@@ -15,7 +15,7 @@ import pytest
 
 import jaxcp
 
-from .helpers import random_segments
+from .helpers import positions_in_documents, random_segments
 
 pytestmark = pytest.mark.gpu
 
@@ -30,11 +30,7 @@ def _inputs(seed=0):
   """Queries, LAYERS pairs of keys and values, and packed rows' segment ids and positions."""
   rng = np.random.default_rng(seed)
   seg = random_segments(rng, B, S, mean_doc=100)
-  pos = np.zeros_like(seg)
-  for row in range(B):
-    for doc in np.unique(seg[row]):
-      at = seg[row] == doc
-      pos[row, at] = np.arange(at.sum())
+  pos = positions_in_documents(seg)
   key = jax.random.PRNGKey(seed)
   normal = lambda i, shape: jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)
   q = normal(0, (B, S, HQ, D))

@@ -10,10 +10,21 @@
 
 namespace jaxcp {
 
+// The mask and scale attributes that every attention handler takes (MaskSpec.ffi_attrs + scale).
+template <typename Binding>
+auto bind_mask_attrs(Binding b) {
+  return std::move(b)
+      .template Attr<bool>("is_causal")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<int64_t>("chunk_size")
+      .template Attr<float>("scale");
+}
+
 // fwd: q, k, v, q_seg, q_pos, kv_seg, kv_pos -> out, lse, workspace.
 template <typename Binding>
 auto bind_attention_fwd(Binding b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // q
+  return bind_mask_attrs(std::move(b).template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()               // k
       .template Arg<ffi::AnyBuffer>()               // v
       .template Arg<ffi::Buffer<ffi::S32>>()        // q_seg
@@ -22,18 +33,13 @@ auto bind_attention_fwd(Binding b) {
       .template Arg<ffi::Buffer<ffi::S32>>()        // kv_pos
       .template Ret<ffi::AnyBuffer>()               // out
       .template Ret<ffi::Buffer<ffi::F32>>()        // lse
-      .template Ret<ffi::AnyBuffer>()               // workspace (uint8; empty on the CPU)
-      .template Attr<bool>("is_causal")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<int64_t>("chunk_size")
-      .template Attr<float>("scale");
+      .template Ret<ffi::AnyBuffer>());             // workspace (uint8; empty on the CPU)
 }
 
 // bwd: q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos -> dq, dk, dv, workspace.
 template <typename Binding>
 auto bind_attention_bwd(Binding b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // q
+  return bind_mask_attrs(std::move(b).template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()               // k
       .template Arg<ffi::AnyBuffer>()               // v
       .template Arg<ffi::AnyBuffer>()               // out
@@ -47,12 +53,7 @@ auto bind_attention_bwd(Binding b) {
       .template Ret<ffi::AnyBuffer>()               // dq
       .template Ret<ffi::AnyBuffer>()               // dk
       .template Ret<ffi::AnyBuffer>()               // dv
-      .template Ret<ffi::AnyBuffer>()               // workspace (uint8; empty on the CPU)
-      .template Attr<bool>("is_causal")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<int64_t>("chunk_size")
-      .template Attr<float>("scale")
+      .template Ret<ffi::AnyBuffer>())              // workspace (uint8; empty on the CPU)
       .template Attr<bool>("deterministic");
 }
 

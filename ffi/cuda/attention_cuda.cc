@@ -67,19 +67,23 @@ ffi::Error launch_status(cudaError_t e, const char* what) {
   return e == cudaErrorInvalidValue ? invalid(msg) : internal_error(msg);
 }
 
-ffi::Error workspace_of(ffi::Result<AnyBuffer>& ws, size_t needed, void** out) {
-  if (ws->size_bytes() < needed)
-    return invalid("workspace has " + std::to_string(ws->size_bytes()) + " bytes, the kernels need " +
-                   std::to_string(needed) + " (mis-sized at trace time)");
+// A buffer sized at trace time (the workspace result, the plan result or operand) against what
+// the launchers need.
+ffi::Error check_size(const char* name, size_t have, size_t needed) {
+  if (have >= needed) return ffi::Error::Success();
+  return invalid(std::string(name) + " has " + std::to_string(have) + " bytes, the kernels need " +
+                 std::to_string(needed) + " (mis-sized at trace time)");
+}
+
+ffi::Error workspace_of(ffi::Result<AnyBuffer>& ws, size_t needed, void** out, const char* name = "workspace") {
+  if (auto e = check_size(name, ws->size_bytes(), needed); e.failure()) return e;
   *out = needed ? ws->untyped_data() : nullptr;
   return ffi::Error::Success();
 }
 
-// The plan operand's data and size, checked against what the launchers need for a.
+// The plan operand's data, checked against what the launchers need.
 ffi::Error plan_of(const AnyBuffer& plan, size_t needed, const void** out) {
-  if (plan.size_bytes() < needed)
-    return invalid("plan has " + std::to_string(plan.size_bytes()) + " bytes, the kernels need " +
-                   std::to_string(needed) + " (mis-sized at trace time)");
+  if (auto e = check_size("plan", plan.size_bytes(), needed); e.failure()) return e;
   *out = plan.untyped_data();
   return ffi::Error::Success();
 }
@@ -98,24 +102,40 @@ ffi::Error plan_shape_from(const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer
   return check_token_arrays(*s, q_seg, q_pos, kv_seg, kv_pos);
 }
 
-ffi::Error AttentionFwdPlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
-                                ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
-                                ffi::Result<AnyBuffer> plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
-                                int64_t chunk_size, float scale) {
-  count_call(Handler::kAttentionFwdPlan, stream);
+// Both plan handlers: the call's arguments, checked as the attention handlers check theirs, then
+// the direction's plan launcher.
+template <bool kFwd>
+ffi::Error plan_impl(cudaStream_t stream, const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& q_pos,
+                     const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& kv_pos,
+                     ffi::Result<AnyBuffer>& plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
+                     int64_t chunk_size, float scale, bool deterministic) {
+  count_call(kFwd ? Handler::kAttentionFwdPlan : Handler::kAttentionBwdPlan, stream);
   AttentionShape shape;
   if (auto e = plan_shape_from(q_seg, q_pos, kv_seg, kv_pos, q_heads, kv_heads, head_dim, v_head_dim, &shape);
       e.failure())
     return e;
   const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size, scale,
-                                         /*deterministic=*/true);
-  if (auto e = check_head_dims(shape, attention_fwd_head_dim_supported(a)); e.failure()) return e;
+                                         kFwd || deterministic);  // as the attention handlers set it
+  const bool supported = kFwd ? attention_fwd_head_dim_supported(a) : attention_bwd_head_dim_supported(a);
+  if (auto e = check_head_dims(shape, supported); e.failure()) return e;
   void* buf = nullptr;
-  if (auto e = workspace_of(plan, attention_fwd_plan_bytes(a), &buf); e.failure()) return e;
-  return launch_status(attention_fwd_plan(a, q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(),
-                                          kv_pos.typed_data(), buf, plan->size_bytes(), stream),
-                       "jaxcp_attention_fwd_plan");
+  if (auto e = workspace_of(plan, kFwd ? attention_fwd_plan_bytes(a) : attention_bwd_plan_bytes(a), &buf, "plan");
+      e.failure())
+    return e;
+  const auto launch = kFwd ? attention_fwd_plan : attention_bwd_plan;
+  return launch_status(launch(a, q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(), kv_pos.typed_data(),
+                              buf, plan->size_bytes(), stream),
+                       kFwd ? "jaxcp_attention_fwd_plan" : "jaxcp_attention_bwd_plan");
+}
+
+ffi::Error AttentionFwdPlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
+                                ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
+                                ffi::Result<AnyBuffer> plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
+                                int64_t chunk_size, float scale) {
+  return plan_impl<true>(stream, q_seg, q_pos, kv_seg, kv_pos, plan, q_heads, kv_heads, head_dim, v_head_dim,
+                         is_causal, window_left, window_right, chunk_size, scale, /*deterministic=*/true);
 }
 
 ffi::Error AttentionBwdPlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
@@ -123,19 +143,8 @@ ffi::Error AttentionBwdPlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_seg
                                 ffi::Result<AnyBuffer> plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                                 int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
                                 int64_t chunk_size, float scale, bool deterministic) {
-  count_call(Handler::kAttentionBwdPlan, stream);
-  AttentionShape shape;
-  if (auto e = plan_shape_from(q_seg, q_pos, kv_seg, kv_pos, q_heads, kv_heads, head_dim, v_head_dim, &shape);
-      e.failure())
-    return e;
-  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size, scale,
-                                         deterministic);
-  if (auto e = check_head_dims(shape, attention_bwd_head_dim_supported(a)); e.failure()) return e;
-  void* buf = nullptr;
-  if (auto e = workspace_of(plan, attention_bwd_plan_bytes(a), &buf); e.failure()) return e;
-  return launch_status(attention_bwd_plan(a, q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(),
-                                          kv_pos.typed_data(), buf, plan->size_bytes(), stream),
-                       "jaxcp_attention_bwd_plan");
+  return plan_impl<false>(stream, q_seg, q_pos, kv_seg, kv_pos, plan, q_heads, kv_heads, head_dim, v_head_dim,
+                          is_causal, window_left, window_right, chunk_size, scale, deterministic);
 }
 
 ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
@@ -220,21 +229,16 @@ namespace {
 // dims, mask and scale (and, for the backward's, deterministic).
 template <typename Binding>
 auto bind_attention_plan(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::Buffer<ffi::S32>>()  // q_seg
-      .template Arg<ffi::Buffer<ffi::S32>>()  // q_pos
-      .template Arg<ffi::Buffer<ffi::S32>>()  // kv_seg
-      .template Arg<ffi::Buffer<ffi::S32>>()  // kv_pos
-      .template Ret<ffi::AnyBuffer>()         // plan
-      .template Attr<int64_t>("q_heads")
-      .template Attr<int64_t>("kv_heads")
-      .template Attr<int64_t>("head_dim")
-      .template Attr<int64_t>("v_head_dim")
-      .template Attr<bool>("is_causal")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<int64_t>("chunk_size")
-      .template Attr<float>("scale");
+  return jaxcp::bind_mask_attrs(std::move(b)
+                                    .template Arg<ffi::Buffer<ffi::S32>>()  // q_seg
+                                    .template Arg<ffi::Buffer<ffi::S32>>()  // q_pos
+                                    .template Arg<ffi::Buffer<ffi::S32>>()  // kv_seg
+                                    .template Arg<ffi::Buffer<ffi::S32>>()  // kv_pos
+                                    .template Ret<ffi::AnyBuffer>()         // plan
+                                    .template Attr<int64_t>("q_heads")
+                                    .template Attr<int64_t>("kv_heads")
+                                    .template Attr<int64_t>("head_dim")
+                                    .template Attr<int64_t>("v_head_dim"));
 }
 
 auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }

@@ -349,6 +349,20 @@ bool fwd_tiling(const AttentionArgs& a, FwdTiling* t) {
            s.kv_len > INT_MAX);
 }
 
+// Both launchers' start: the tiling and the plan's pieces in `plan`. cudaErrorInvalidValue for
+// arguments no kernel takes or a plan buffer too small; *empty for calls with nothing to compute.
+cudaError_t fwd_plan_for(const AttentionArgs& a, void* plan, size_t plan_bytes, FwdTiling* t, FwdPlanPointers* pl,
+                         bool* empty) {
+  const AttentionShape& s = a.shape;
+  if (!fwd_tiling(a, t)) return cudaErrorInvalidValue;
+  *empty = s.batch == 0 || s.q_len == 0 || s.q_heads == 0;
+  if (*empty) return cudaSuccess;
+  const FwdPlanLayout layout = fwd_plan_layout(s);
+  if (plan_bytes < layout.bytes || (layout.bytes > 0 && plan == nullptr)) return cudaErrorInvalidValue;
+  *pl = fwd_plan_pointers(layout, plan);
+  return cudaSuccess;
+}
+
 // JAXCP_FWD_FIXED_TILES=1 (a development aid, for measuring document tiles) gives the sm_90a
 // kernel query tiles of 128 rows from token 0.
 bool fwd_fixed_tiles_by_env() { return env_flag("JAXCP_FWD_FIXED_TILES"); }
@@ -370,11 +384,9 @@ cudaError_t attention_fwd_plan(const AttentionArgs& a, const int32_t* q_seg, con
                                cudaStream_t stream) {
   const AttentionShape& s = a.shape;
   detail::FwdTiling t;
-  if (!detail::fwd_tiling(a, &t)) return cudaErrorInvalidValue;
-  if (s.batch == 0 || s.q_len == 0 || s.q_heads == 0) return cudaSuccess;
-  const detail::FwdPlanLayout layout = detail::fwd_plan_layout(s);
-  if (plan_bytes < layout.bytes || (layout.bytes > 0 && plan == nullptr)) return cudaErrorInvalidValue;
-  const detail::FwdPlanPointers pl = detail::fwd_plan_pointers(layout, plan);
+  detail::FwdPlanPointers pl;
+  bool empty;
+  if (cudaError_t err = detail::fwd_plan_for(a, plan, plan_bytes, &t, &pl, &empty); err || empty) return err;
   const TileTokens q_tok{q_seg, q_pos, s.q_len, kFwdBlockM}, kv_tok{kv_seg, kv_pos, s.kv_len, t.block_n};
   if (t.sm90)  // key tile summaries: the plan's key windows at the tiles' starts
     return launch_doc_tile_plan(q_tok, t.nkv, kv_tok, s.batch, a.mask, detail::fwd_fixed_tiles_by_env(), pl.doc,
@@ -394,13 +406,12 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
                           size_t workspace_bytes, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
   detail::FwdTiling t;
-  if (!detail::fwd_tiling(a, &t)) return cudaErrorInvalidValue;
-  if (s.batch == 0 || s.q_len == 0 || s.q_heads == 0) return cudaSuccess;
-  const detail::FwdPlanLayout layout = detail::fwd_plan_layout(s);
-  if (plan_bytes < layout.bytes || (layout.bytes > 0 && plan == nullptr)) return cudaErrorInvalidValue;
-  if (workspace_bytes < attention_fwd_workspace_bytes(a) || workspace == nullptr) return cudaErrorInvalidValue;
+  detail::FwdPlanPointers pl;
+  bool empty;
   // The kernels only read the plan (it may be shared with other calls).
-  const detail::FwdPlanPointers pl = detail::fwd_plan_pointers(layout, const_cast<void*>(plan));
+  if (cudaError_t err = detail::fwd_plan_for(a, const_cast<void*>(plan), plan_bytes, &t, &pl, &empty); err || empty)
+    return err;
+  if (workspace_bytes < attention_fwd_workspace_bytes(a) || workspace == nullptr) return cudaErrorInvalidValue;
   auto* tile_counter = static_cast<int*>(workspace);
   if (t.sm90) {  // zeroed per call: the plan may be another call's
     if (cudaError_t err = cudaMemsetAsync(tile_counter, 0, sizeof(int), stream)) return err;

@@ -59,6 +59,16 @@ def kernel_platform() -> str | None:
   return None
 
 
+def _cuda_bytes(what: str, direction: str, q_shape, kv_shape, mask, deterministic: bool) -> int:
+  """The CUDA module's attention_<direction>_<what>_bytes for these shapes."""
+  b, sq, hq, d = q_shape
+  skv, hkv = kv_shape[1], kv_shape[2]
+  args = (b, sq, skv, hq, hkv, d, mask.is_causal, mask.window_left, mask.window_right, mask.chunk_size)
+  if direction == "bwd":
+    args += (deterministic,)
+  return int(getattr(_load("CUDA"), f"attention_{direction}_{what}_bytes")(*args))
+
+
 def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, deterministic: bool) -> int:
   """Bytes of device workspace the CUDA attention kernels need (0 where no CUDA kernel runs).
 
@@ -66,25 +76,13 @@ def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, determini
   CUDA-graph capture."""
   if kernel_platform() != "cuda":
     return 0
-  module = _load("CUDA")
-  b, sq, hq, d = q_shape
-  skv, hkv = kv_shape[1], kv_shape[2]
-  common = (b, sq, skv, hq, hkv, d, mask.is_causal, mask.window_left, mask.window_right, mask.chunk_size)
-  if direction == "fwd":
-    return int(module.attention_fwd_workspace_bytes(*common))
-  return int(module.attention_bwd_workspace_bytes(*common, deterministic))
+  return _cuda_bytes("workspace", direction, q_shape, kv_shape, mask, deterministic)
 
 
 def attention_plan_bytes(direction: str, q_shape, kv_shape, mask, deterministic: bool) -> int:
   """Bytes of the CUDA attention's tile plan, the result of the plan call
   (`jaxcp_attention_<fwd|bwd>_plan`) that the attention call takes as an operand."""
-  module = _load("CUDA")
-  b, sq, hq, d = q_shape
-  skv, hkv = kv_shape[1], kv_shape[2]
-  common = (b, sq, skv, hq, hkv, d, mask.is_causal, mask.window_left, mask.window_right, mask.chunk_size)
-  if direction == "fwd":
-    return int(module.attention_fwd_plan_bytes(*common))
-  return int(module.attention_bwd_plan_bytes(*common, deterministic))
+  return _cuda_bytes("plan", direction, q_shape, kv_shape, mask, deterministic)
 
 
 # The CUDA kernels' head dims (64, 128, 256; on sm_90a also 96 and 192, and the sm_90a forward a
