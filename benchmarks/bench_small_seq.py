@@ -52,7 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
-from jaxcp._src import small_seq as ss  # noqa: E402
+from jaxcp._src.small_seq import api as ss  # noqa: E402
+from jaxcp._src.small_seq.primitive import SmallSeqConfig, small_seq_bwd_p, small_seq_fwd_p  # noqa: E402
 from jaxcp._src.primitive_utils import choose_implementation  # noqa: E402
 
 MEMORY_SLACK = 1 << 20  # bytes of alignment/rounding allowed over "need"
@@ -261,13 +262,13 @@ def run_case(case: Case, dtype, reps: int, rng) -> dict:
   if impl != "xla":  # the backward kernel alone, on the residuals the forward saved
     mask = jnp.full((b,), -1, jnp.int32)
     if ragged:
-      config = ss.SmallSeqConfig(d ** -0.5, min(16, tokens), True)
+      config = SmallSeqConfig(d ** -0.5, min(16, tokens), True)
       index = (cu[:-1], lengths, mask)
     else:
-      config = ss.SmallSeqConfig(d ** -0.5, s, False)
+      config = SmallSeqConfig(d ** -0.5, s, False)
       index = (lengths, mask)
-    probs = jax.jit(lambda q, k, v: ss.small_seq_fwd_p.bind(q, k, v, *index, config=config)[1])(q, k, v)
-    bwd = jax.jit(lambda q, k, v, p, do: ss.small_seq_bwd_p.bind(q, k, v, p, do, *index,
+    probs = jax.jit(lambda q, k, v: small_seq_fwd_p.bind(q, k, v, *index, config=config)[1])(q, k, v)
+    bwd = jax.jit(lambda q, k, v, p, do: small_seq_bwd_p.bind(q, k, v, p, do, *index,
                                                                  config=config))
     t_bwd = bench(bwd, q, k, v, probs, dout, reps=reps)
     del probs

@@ -32,7 +32,7 @@ def _import_load_balance():
   try:
     if _ROOT not in sys.path:
       sys.path.insert(0, _ROOT)
-    from jaxcp._src import load_balance as lb   # pylint: disable=import-outside-toplevel
+    from jaxcp._src.attention import load_balance as lb   # pylint: disable=import-outside-toplevel
     return lb
   except ImportError:  # jaxcp/__init__ may need the compiled extension: load the file alone
     path = os.path.join(_ROOT, "jaxcp", "_src", "load_balance.py")

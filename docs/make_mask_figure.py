@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 
 import jaxcp  # noqa: E402
 from jaxcp._src.mask_spec import MaskSpec  # noqa: E402
-from jaxcp._src.reference import allowed_pairs  # noqa: E402
+from jaxcp._src.masks import allowed_pairs  # noqa: E402
 
 cu = jnp.array([[0, 10, 24, 30, 30]], jnp.int32)  # docs of 10, 14, 6 tokens, then 2 padding tokens
 seg, pos = jaxcp.segments_from_cu_seqlens(cu, 32)

@@ -188,7 +188,7 @@ def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, widths, monke
   a width of its own ((64, 48): multi-head latent attention's 192 / 128). The same padding through
   the CPU kernel must leave the output, the LSE (scale from the true head dim) and the gradients
   unchanged, and return the true head dim."""
-  attention_module = importlib.import_module("jaxcp._src.attention")
+  attention_module = importlib.import_module("jaxcp._src.attention.api")
   rng = np.random.default_rng(12)
   q, k, v = qkv(rng, 2, 24, 24, 4, 2, head_dim, jnp.float32)
   seg = random_segments(rng, 2, 24, mean_doc=6)

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcp
 from jaxcp._src.compat import shard_map
-from jaxcp._src.load_balance import load_balance, restore_order
+from jaxcp._src.attention.load_balance import load_balance, restore_order
 from jaxcp._src.masks import positions_from_segments
 
 from .helpers import rel_err
@@ -173,7 +173,7 @@ def test_queries_sharded_keys_replicated_needs_no_communication(cpu_devices):
 
 
 def test_auto_strategy_rule():
-  from jaxcp._src.context_parallel import choose_strategy
+  from jaxcp._src.attention.context_parallel import choose_strategy
   assert choose_strategy("auto", 2, 65536, 32, 32) == "all_gather"      # two ranks
   assert choose_strategy("auto", 8, 1024, 32, 32) == "all_gather"       # short local blocks
   assert choose_strategy("auto", 8, 65536, 32, 8) == "all_gather"       # GQA 4: small K/V

@@ -1,4 +1,4 @@
-"""Tests of the context-parallel load-balancing permutations (jaxcp/_src/load_balance.py)."""
+"""Tests of the context-parallel load-balancing permutations (jaxcp/_src/attention/load_balance.py)."""
 
 import importlib.util
 import os
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcp._src import load_balance as lb
+from jaxcp._src.attention import load_balance as lb
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

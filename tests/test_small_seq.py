@@ -16,9 +16,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxcp._src import registry
-from jaxcp._src.small_seq import (SmallSeqConfig, local_fwd, ragged_rows, small_seq_attention,
-                                  small_seq_eligible, small_seq_from_attention,
-                                  small_seq_reference)
+from jaxcp._src.small_seq.api import (ragged_rows, small_seq_attention, small_seq_eligible,
+                                      small_seq_from_attention)
+from jaxcp._src.small_seq.primitive import SmallSeqConfig, local_fwd
+from jaxcp._src.small_seq.reference import small_seq_reference
 from tests.helpers import rel_err
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
@@ -395,7 +396,7 @@ def test_cuda_implementation_unavailable_on_cpu():
 @pytest.mark.parametrize("mask_kind", ["none", "kv_segments", "causal_window", "chunk", "empty"])
 def test_from_attention(mask_kind):
   from jaxcp._src import masks
-  from jaxcp._src.attention import attention
+  from jaxcp._src.attention.api import attention
 
   rng = np.random.default_rng(11)
   b, skv, hq, hkv, d = 5, 9, 4, 2, 16

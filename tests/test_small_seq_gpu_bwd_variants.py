@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcp._src.small_seq import SmallSeqConfig, local_bwd, small_seq_reference
+from jaxcp._src.small_seq.primitive import SmallSeqConfig, local_bwd
+from jaxcp._src.small_seq.reference import small_seq_reference
 
 from .helpers import padded_small_seq_index, rand, rows_close, token_mask_bits, use_kernel_variant
 

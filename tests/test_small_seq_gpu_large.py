@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from jaxcp._src import registry
-from jaxcp._src.small_seq import SmallSeqConfig, local_fwd, small_seq_attention, small_seq_reference
+from jaxcp._src.small_seq.api import small_seq_attention
+from jaxcp._src.small_seq.primitive import SmallSeqConfig, local_fwd
+from jaxcp._src.small_seq.reference import small_seq_reference
 
 from .helpers import rand, rows_close
 

@@ -1,6 +1,7 @@
 """Small-sequence attention: one query token per row attending to at most 16 key/value tokens.
 
-`small_seq_attention` (DESIGN.md section 2) is built like `jaxcp.attention`, in two layers:
+`small_seq_attention` (DESIGN.md section 2) is built like `jaxcp.attention`, in two layers
+(primitive.py, sharding.py):
 - kernel primitives (`jaxcp_small_seq_{fwd,bwd}_kernel`) lower to the FFI targets
   `jaxcp_small_seq_{fwd,bwd}` of the current platform. The kernels see one flat layout:
   q [B, Hq, D], k/v [T, Hkv, D], and per row int32 kv_start, kv_len, kv_mask [B] (row b attends
@@ -16,230 +17,22 @@ them and never recomputes the scores.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .primitive_utils import (CUDA_DTYPES, axis_size, check_int_array, choose_implementation,
-                              make_primitive, register_ffi_lowering, spec_of)
+from .. import registry
+from ..masks import allowed_pairs
+from ..primitive_utils import CUDA_DTYPES, check_int_array, choose_implementation
+from . import sharding  # noqa: F401  (gives the primitives their partitioned lowering)
+from .primitive import MAX_KV_LEN, SmallSeqConfig, small_seq_bwd_p, small_seq_fwd_p
+from .reference import small_seq_reference
 
-from . import compat, registry
-from .reference import allowed_pairs
-
-FWD_TARGET = "jaxcp_small_seq_fwd"
-BWD_TARGET = "jaxcp_small_seq_bwd"
-
-MAX_KV_LEN = 16
 _CUDA_HEAD_DIMS = (64, 128, 256, 512)
 _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _ALL_TOKENS = -1  # kv_mask value that allows every token of a row
-
-
-@dataclasses.dataclass(frozen=True)
-class SmallSeqConfig:
-  """Static parameters of one call (hashable: it is a primitive parameter).
-
-  ragged: key/value are [T, Hkv, D] and the index arrays are (kv_start, kv_len, kv_mask);
-  otherwise they are [B, S, Hkv, D] and the index arrays are (kv_len, kv_mask).
-  """
-  scale: float
-  max_len: int
-  ragged: bool
-
-  def ffi_attrs(self) -> dict:
-    return dict(max_len=np.int64(self.max_len), scale=np.float32(self.scale))
-
-  @property
-  def num_index(self) -> int:
-    return 3 if self.ragged else 2
-
-
-# ---------------------------------------------------------------- kernel primitives
-# Flat layout: q [B,Hq,D], k/v [T,Hkv,D], kv_start/kv_len/kv_mask [B].
-
-
-def _kfwd_abstract(q, k, v, start, length, mask, *, config):
-  b, hq, _ = q.shape
-  return (compat.ShapedArray(q.shape, q.dtype),
-          compat.ShapedArray((b, hq, config.max_len), jnp.float32))
-
-
-def _kbwd_abstract(q, k, v, probs, dout, start, length, mask, *, config):
-  return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray(k.shape, k.dtype),
-          compat.ShapedArray(v.shape, v.dtype))
-
-
-small_seq_fwd_kernel_p = make_primitive("jaxcp_small_seq_fwd_kernel", _kfwd_abstract)
-small_seq_bwd_kernel_p = make_primitive("jaxcp_small_seq_bwd_kernel", _kbwd_abstract)
-register_ffi_lowering(small_seq_fwd_kernel_p, FWD_TARGET, lambda config: config.ffi_attrs())
-register_ffi_lowering(small_seq_bwd_kernel_p, BWD_TARGET, lambda config: config.ffi_attrs())
-
-
-def _flat_kv(k, v, index, config):
-  """Local (per-shard) views: k/v [T, Hkv, D] and (start, len, mask) [B] int32."""
-  if config.ragged:
-    start, length, mask = index
-    return k, v, start, length, mask
-  length, mask = index
-  b, s, hkv, d = k.shape
-  start = jnp.arange(b, dtype=jnp.int32) * np.int32(s)
-  return k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), start, length, mask
-
-
-def local_fwd(q, k, v, *index_and_config):
-  """Unpartitioned forward on local arrays: (out, probs)."""
-  *index, config = index_and_config
-  k3, v3, start, length, mask = _flat_kv(k, v, index, config)
-  return tuple(small_seq_fwd_kernel_p.bind(q, k3, v3, start, length, mask, config=config))
-
-
-def local_bwd(q, k, v, probs, dout, *index_and_config):
-  """Unpartitioned backward on local arrays: (dq, dk, dv)."""
-  *index, config = index_and_config
-  k3, v3, start, length, mask = _flat_kv(k, v, index, config)
-  dq, dk, dv = small_seq_bwd_kernel_p.bind(q, k3, v3, probs, dout, start, length, mask,
-                                           config=config)
-  return dq, dk.reshape(k.shape), dv.reshape(v.shape)
-
-
-# ---------------------------------------------------------------- sharding (DP + TP, no collective)
-
-
-def _choose_axes(config, mesh, q, k):
-  """(batch axes, head axes) for this call, following the query's sharding.
-
-  Batch shards only in the padded layout (a ragged key/value side cannot follow the rows without
-  communication). Heads shard only when Hq and Hkv both divide by the axis size, so that every
-  shard holds whole GQA groups.
-  """
-  qspec = spec_of(q, 3)
-  batch, heads = qspec[0], qspec[1]
-  if config.ragged or q.shape[0] % axis_size(mesh, batch):
-    batch = None
-  n = axis_size(mesh, heads)
-  hkv = k.shape[1] if config.ragged else k.shape[2]
-  if heads is not None and (q.shape[1] % n or hkv % n):
-    heads = None
-  return batch, heads
-
-
-def _specs(config, batch, heads, backward):
-  q = P(batch, heads, None)
-  kv = P(None, heads, None) if config.ragged else P(batch, None, heads, None)
-  idx = (P(batch),) * config.num_index
-  probs = P(batch, heads, None)
-  if backward:
-    return (q, kv, kv, probs, q) + idx, (q, kv, kv)
-  return (q, kv, kv) + idx, (q, probs)
-
-
-def _named(mesh, specs):
-  return tuple(NamedSharding(mesh, s) for s in specs)
-
-
-def _make_partitioned(local_fn, num_args, backward):
-  def infer(config, mesh, arg_shapes, result_shape):
-    batch, heads = _choose_axes(config, mesh, arg_shapes[0], arg_shapes[1])
-    return _named(mesh, _specs(config, batch, heads, backward)[1])
-
-  def partition(config, mesh, arg_shapes, result_shape):
-    batch, heads = _choose_axes(config, mesh, arg_shapes[0], arg_shapes[1])
-    arg_specs, out_specs = _specs(config, batch, heads, backward)
-
-    def lower(*args):
-      return local_fn(*args, config)
-
-    return mesh, lower, _named(mesh, out_specs), _named(mesh, arg_specs)
-
-  def rule(config, mesh, value_types, result_types):
-    kv = "t g d" if config.ragged else "b s g d"
-    m = "m" if config.ragged else "s"
-    idx = ", ".join(["b"] * config.num_index)
-    if backward:
-      return f"b h d, {kv}, {kv}, b h {m}, b h d, {idx} -> b h d, {kv}, {kv}"
-    return f"b h d, {kv}, {kv}, {idx} -> b h d, b h {m}"
-
-  cp = compat.custom_partitioning(local_fn, static_argnums=(num_args,))
-  cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
-  return cp
-
-
-_PARTITIONED = {
-    (backward, ragged): _make_partitioned(
-        local_bwd if backward else local_fwd,
-        (5 if backward else 3) + (3 if ragged else 2), backward)
-    for backward in (False, True) for ragged in (False, True)
-}
-
-
-# ---------------------------------------------------------------- public-facing primitives
-
-
-def _fwd_abstract(q, k, v, *index, config):
-  b, hq, _ = q.shape
-  return (compat.ShapedArray(q.shape, q.dtype),
-          compat.ShapedArray((b, hq, config.max_len), jnp.float32))
-
-
-def _bwd_abstract(q, k, v, probs, dout, *index, config):
-  return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray(k.shape, k.dtype),
-          compat.ShapedArray(v.shape, v.dtype))
-
-
-small_seq_fwd_p = make_primitive("jaxcp_small_seq_fwd", _fwd_abstract)
-small_seq_bwd_p = make_primitive("jaxcp_small_seq_bwd", _bwd_abstract)
-
-
-def _move(x, dim, n):
-  """[n, ...] with the vmapped axis first (broadcast when not mapped)."""
-  if dim is compat.NOT_MAPPED:
-    return jnp.broadcast_to(x, (n,) + x.shape)
-  return jnp.moveaxis(x, dim, 0)
-
-
-def _merge(x):
-  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
-
-
-def _batching_rule(primitive, backward):
-  start_arg = 5 if backward else 3
-
-  def rule(args, dims, *, config):
-    n = next(a.shape[d] for a, d in zip(args, dims) if d is not compat.NOT_MAPPED)
-    moved = [_move(a, d, n) for a, d in zip(args, dims)]
-    if config.ragged:  # copy i of the flat K/V lives at tokens [i*T, (i+1)*T)
-      t = moved[1].shape[1]
-      offsets = (jnp.arange(n, dtype=jnp.int32) * np.int32(t))[:, None]
-      moved[start_arg] = moved[start_arg] + offsets
-    outs = primitive.bind(*[_merge(a) for a in moved], config=config)
-    outs = [o.reshape((n, o.shape[0] // n) + o.shape[1:]) for o in outs]
-    return outs, [0] * len(outs)
-
-  return rule
-
-
-compat.batching.primitive_batchers[small_seq_fwd_p] = _batching_rule(small_seq_fwd_p, False)
-compat.batching.primitive_batchers[small_seq_bwd_p] = _batching_rule(small_seq_bwd_p, True)
-for _p in (small_seq_fwd_p, small_seq_bwd_p):
-  compat.requires_devices_during_lowering(_p)  # its lowering runs custom_partitioning
-
-
-def _partitioned_fwd(*args, config):
-  return _PARTITIONED[(False, config.ragged)](*args, config)
-
-
-def _partitioned_bwd(*args, config):
-  return _PARTITIONED[(True, config.ragged)](*args, config)
-
-
-compat.mlir.register_lowering(small_seq_fwd_p,
-                              compat.mlir.lower_fun(_partitioned_fwd, multiple_results=True))
-compat.mlir.register_lowering(small_seq_bwd_p,
-                              compat.mlir.lower_fun(_partitioned_bwd, multiple_results=True))
 
 
 # ---------------------------------------------------------------- differentiable kernel call
@@ -262,49 +55,6 @@ def _kernel_call_bwd(config, residuals, dout):
 
 
 _kernel_call.defvjp(_kernel_call_fwd, _kernel_call_bwd)
-
-
-# ---------------------------------------------------------------- pure-JAX reference ("xla")
-
-
-def _reference_core(q, kg, vg, valid, scale):
-  """q [B,Hq,D], kg/vg [B,M,Hkv,D], valid bool [B,M] -> (out [B,Hq,D], probs f32 [B,Hq,M])."""
-  b, hq, d = q.shape
-  m_len, hkv = kg.shape[1], kg.shape[2]
-  qc = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d)
-  s = jnp.einsum("bhgd,bjhd->bhgj", qc, kg.astype(jnp.float32)) * jnp.float32(scale)
-  s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(s - m)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(l > 0, l, 1.0)
-  out = jnp.einsum("bhgj,bjhd->bhgd", p, vg.astype(jnp.float32)).reshape(b, hq, d)
-  return out.astype(q.dtype), p.reshape(b, hq, m_len)
-
-
-def _mask_bits(mask, m_len):
-  j = jnp.arange(m_len, dtype=jnp.int32)
-  return ((mask[:, None] >> j) & 1) == 1
-
-
-def small_seq_reference(q, k, v, index, config: SmallSeqConfig):
-  """Pure-JAX semantics of the kernels (same clamping), for tests and implementation="xla"."""
-  m_len = config.max_len
-  j = jnp.arange(m_len, dtype=jnp.int32)
-  if config.ragged:
-    start, length, mask = index
-    t = k.shape[0]
-    start = jnp.clip(start, 0, t)
-    length = jnp.minimum(jnp.clip(length, 0, m_len), t - start)
-    idx = jnp.clip(start[:, None] + j, 0, t - 1)
-    kg, vg = k[idx], v[idx]
-  else:
-    length, mask = index
-    length = jnp.clip(length, 0, m_len)
-    kg, vg = k, v
-  valid = (j < length[:, None]) & _mask_bits(mask, m_len)
-  return _reference_core(q, kg, vg, valid, config.scale)
 
 
 # ---------------------------------------------------------------- validation and public API

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import compat
+from .. import compat
 
 STRATEGIES = ("auto", "all_gather", "ring")
 
@@ -121,7 +121,3 @@ def cp_bwd(strategy, local_bwd, axis, cp_size, *args):
   if strategy == "ring":
     return ring_bwd(local_bwd, axis, cp_size, *args)
   return all_gather_bwd(local_bwd, axis, *args)
-
-
-def axis_size(axis) -> int:
-  return compat.axis_size(axis)

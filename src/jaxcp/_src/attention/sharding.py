@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import compat, context_parallel
-from .attention_primitive import bwd_kernel, fwd_kernel
-from .primitive_utils import axis_size, spec_of
+from .. import compat
+from ..primitive_utils import mesh_axis_size, spec_of
+from . import context_parallel
+from .primitive import attention_bwd_p, attention_fwd_p, bwd_kernel, fwd_kernel
 
 # Argument positions.
 _FWD_SEQ_ARGS = 7   # q, k, v, q_seg, q_pos, kv_seg, kv_pos
@@ -70,13 +71,13 @@ def choose_layout(mesh, q, k) -> Layout:
   batch, heads, seq = qspec[0], qspec[2], qspec[1]
   b, sq, hq, _ = q.shape
   skv, hkv = k.shape[1], k.shape[2]
-  if b % axis_size(mesh, batch):
+  if b % mesh_axis_size(mesh, batch):
     batch = None
-  n_seq = axis_size(mesh, seq)
+  n_seq = mesh_axis_size(mesh, seq)
   if seq is not None and (sq % n_seq or skv % n_seq):
     seq = None
   kv_seq = seq if (seq is not None and kspec[1] is not None) else None
-  n = axis_size(mesh, heads)
+  n = mesh_axis_size(mesh, heads)
   if heads is None or hq % n:
     return Layout(batch, None, None, False, seq, kv_seq)
   if hkv % n == 0:
@@ -91,7 +92,7 @@ def _cp_plan(config, mesh, layout: Layout, q, k):
   """(strategy, cp_size) when K/V are sharded over a context-parallel axis, else None."""
   if layout.kv_seq is None:
     return None
-  cp_size = axis_size(mesh, layout.kv_seq)
+  cp_size = mesh_axis_size(mesh, layout.kv_seq)
   strategy = context_parallel.choose_strategy(
       config.context_parallel, cp_size, k.shape[1] // cp_size, q.shape[2], k.shape[2])
   return strategy, cp_size
@@ -136,7 +137,7 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   layout = choose_layout(mesh, q, k)
   arg_specs, out_specs = _fwd_shardings(layout)
-  head_index = _kv_head_slicer(layout, q.shape[2], axis_size(mesh, layout.q_heads))
+  head_index = _kv_head_slicer(layout, q.shape[2], mesh_axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
   local = lambda *a: fwd_kernel(*a, config)
 
@@ -169,7 +170,7 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   layout = choose_layout(mesh, q, k)
   arg_specs, out_specs = _bwd_shardings(layout)
-  head_index = _kv_head_slicer(layout, q.shape[2], axis_size(mesh, layout.q_heads))
+  head_index = _kv_head_slicer(layout, q.shape[2], mesh_axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
   local = lambda *a: bwd_kernel(*a, config)
 
@@ -210,9 +211,13 @@ _bwd_cp.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_bw
                       sharding_rule=_bwd_rule)
 
 
-def partitioned_fwd(*args, config):
+def _partitioned_fwd(*args, config):
   return _fwd_cp(*args, config)
 
 
-def partitioned_bwd(*args, config):
+def _partitioned_bwd(*args, config):
   return _bwd_cp(*args, config)
+
+
+compat.mlir.register_lowering(attention_fwd_p, compat.mlir.lower_fun(_partitioned_fwd, multiple_results=True))
+compat.mlir.register_lowering(attention_bwd_p, compat.mlir.lower_fun(_partitioned_bwd, multiple_results=True))

@@ -4,7 +4,8 @@ Two layers, as in JAX's own cuDNN attention:
 - `*_kernel_p` lowers to the FFI target `jaxcp_attention_<fwd|bwd>` of the current platform (on
   CUDA after `jaxcp_attention_<fwd|bwd>_plan`, which builds the tile plan it takes);
 - `*_p` (the public-facing primitive) carries the batching rule (vmap folds into the batch
-  axis) and lowers through `custom_partitioning`, which places the kernel per shard.
+  axis); sharding.py gives it its lowering, through `custom_partitioning`, which places the
+  kernel per shard.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, registry
-from .primitive_utils import make_primitive, register_ffi_lowering
-from .mask_spec import MaskSpec
+from .. import compat, cuda_capabilities
+from ..mask_spec import MaskSpec
+from ..primitive_utils import make_primitive, register_ffi_lowering
 
 FWD_TARGET = "jaxcp_attention_fwd"
 BWD_TARGET = "jaxcp_attention_bwd"
@@ -83,7 +84,7 @@ def _register_cuda_lowering(primitive, direction, target):
     q, k, v = ctx.avals_in[:3]
     tokens = ctx.avals_in[-4:]
     mask_attrs = config.ffi_attrs(with_deterministic)
-    plan_bytes = registry.attention_plan_bytes(direction, q.shape, k.shape, config.mask, config.deterministic)
+    plan_bytes = cuda_capabilities.attention_plan_bytes(direction, q.shape, k.shape, config.mask, config.deterministic)
     plan_aval = compat.derived_aval(tokens[0], (plan_bytes,), jnp.uint8, (None,))
     (plan,) = plan_rule(ctx.replace(avals_in=tokens, avals_out=[plan_aval]), *args[-4:],
                         q_heads=np.int64(q.shape[2]), kv_heads=np.int64(k.shape[2]),
@@ -99,7 +100,7 @@ _register_cuda_lowering(attention_bwd_kernel_p, "bwd", BWD_TARGET)
 
 def fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
   """Unpartitioned forward on local arrays: (out, lse)."""
-  ws = registry.attention_workspace_bytes("fwd", q.shape, k.shape, config.mask, config.deterministic)
+  ws = cuda_capabilities.attention_workspace_bytes("fwd", q.shape, k.shape, config.mask, config.deterministic)
   out, lse, _ = attention_fwd_kernel_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config,
                                             workspace_bytes=ws)
   return out, lse
@@ -107,7 +108,7 @@ def fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
 
 def bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config):
   """Unpartitioned backward on local arrays: (dq, dk, dv)."""
-  ws = registry.attention_workspace_bytes("bwd", q.shape, k.shape, config.mask, config.deterministic)
+  ws = cuda_capabilities.attention_workspace_bytes("bwd", q.shape, k.shape, config.mask, config.deterministic)
   dq, dk, dv, _ = attention_bwd_kernel_p.bind(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg,
                                               kv_pos, config=config, workspace_bytes=ws)
   return dq, dk, dv
@@ -143,17 +144,3 @@ for _p in (attention_fwd_p, attention_bwd_p):
   compat.batching.primitive_batchers[_p] = _batching_rule(_p)
   compat.requires_devices_during_lowering(_p)  # its lowering runs custom_partitioning
 
-
-def _register_partitioned_lowering():
-  # Imported here to keep the partitioning logic in its own module.
-  from . import attention_sharding
-
-  compat.mlir.register_lowering(
-      attention_fwd_p,
-      compat.mlir.lower_fun(attention_sharding.partitioned_fwd, multiple_results=True))
-  compat.mlir.register_lowering(
-      attention_bwd_p,
-      compat.mlir.lower_fun(attention_sharding.partitioned_bwd, multiple_results=True))
-
-
-_register_partitioned_lowering()

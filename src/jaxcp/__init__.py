@@ -1,9 +1,9 @@
 """jaxcp: packed-document and small-sequence attention kernels for JAX, with context parallelism."""
-from jaxcp._src.attention import attention
-from jaxcp._src.load_balance import (apply_permutation, invert_permutation, load_balance,
+from jaxcp._src.attention.api import attention
+from jaxcp._src.attention.load_balance import (apply_permutation, invert_permutation, load_balance,
                                      load_balance_permutation, restore_order)
 from jaxcp._src.masks import segments_from_cu_seqlens
-from jaxcp._src.small_seq import small_seq_attention
+from jaxcp._src.small_seq.api import small_seq_attention
 
 __all__ = [
     "attention",

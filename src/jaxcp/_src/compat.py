@@ -41,7 +41,8 @@ def register_ffi_target(name: str, capsule, platform: str) -> None:
 
 
 def axis_size(axis_name) -> int:
-  """Size of a named mesh axis inside shard_map / custom_partitioning bodies."""
+  """Size of a bound mesh axis (a name or a tuple of names) inside shard_map / custom_partitioning
+  bodies; partition callbacks read the mesh instead (primitive_utils.mesh_axis_size)."""
   return jax.lax.axis_size(axis_name) if hasattr(jax.lax, "axis_size") else jax.lax.psum(1, axis_name)
 
 ShapedArray = jax.core.ShapedArray

@@ -44,8 +44,9 @@ def spec_of(shape_struct, ndim):
   return (None,) * ndim
 
 
-def axis_size(mesh, axes) -> int:
-  """Number of shards along one mesh axis name, a tuple of names, or None (1)."""
+def mesh_axis_size(mesh, axes) -> int:
+  """Number of shards along one mesh axis name, a tuple of names, or None (1), read from the mesh
+  (partition callbacks; inside a body where the axis is bound, use compat.axis_size)."""
   if axes is None:
     return 1
   if isinstance(axes, str):
@@ -80,13 +81,18 @@ def choose_implementation(implementation, dtype, head_dim, cuda_head_dims) -> st
   platform = registry.kernel_platform()
   cuda_ok = dtype in CUDA_DTYPES and head_dim in cuda_head_dims
   if implementation is None:
+    if platform is None:
+      registry.warn_fallback()
+      return "xla"
     if platform == "cuda":
       return "cuda" if cuda_ok else "xla"
-    return platform or "xla"
+    return platform
+  if platform is None:
+    raise ValueError(f"implementation={implementation!r}: " + registry.missing_kernel_message())
   if implementation != platform:
     raise ValueError(
         f"implementation={implementation!r} is not available on the {registry.default_backend()!r} "
-        f"backend (available kernel: {platform!r}); use implementation=None or 'xla'.")
+        f"backend, whose kernels are {platform!r}; use implementation=None (the best available) or 'xla'.")
   if implementation == "cuda" and not cuda_ok:
     raise ValueError(
         f"implementation='cuda' supports bfloat16/float16 and head_dim in {_head_dims_text(cuda_head_dims)}, "

@@ -145,3 +145,19 @@ def token_arrays(batch, q_len, kv_len, *, segment_ids, positions, kv_segment_ids
   else:
     kv_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len))
   return q_seg, q_pos, kv_seg, kv_pos
+
+
+def allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, spec: MaskSpec):
+  """Boolean [B, Sq, Skv]: the mask model of DESIGN.md section 1."""
+  qs, ks = q_seg[:, :, None], kv_seg[:, None, :]
+  mask = (qs == ks) & (qs != 0)
+  d = q_pos[:, :, None] - kv_pos[:, None, :]
+  if spec.is_causal:
+    mask &= d >= 0
+  if spec.window_left >= 0:
+    mask &= d <= spec.window_left
+  if spec.window_right >= 0:
+    mask &= -d <= spec.window_right
+  if spec.chunk_size > 0:
+    mask &= jnp.floor_divide(q_pos[:, :, None], spec.chunk_size) == jnp.floor_divide(kv_pos[:, None, :], spec.chunk_size)
+  return mask

@@ -1,62 +1,8 @@
-"""Loads the compiled extensions once and registers their FFI targets with XLA."""
+"""What the CUDA kernels support on this device, and the buffers they need: asked of the CUDA
+extension at trace time."""
 from __future__ import annotations
 
-import functools
-import importlib
-
-import jax
-
-from . import compat
-
-# Platform names as jax.ffi.register_ffi_target spells them.
-_EXTENSIONS = {"cpu": "jaxcp._jaxcp_cpu", "CUDA": "jaxcp._jaxcp_cuda"}
-
-
-@functools.lru_cache(maxsize=None)
-def _load(platform: str):
-  try:
-    module = importlib.import_module(_EXTENSIONS[platform])
-  except ImportError:
-    return None
-  for name, capsule in module.registrations().items():
-    compat.register_ffi_target(name, capsule, platform)
-  return module
-
-
-def cpu_extension_available() -> bool:
-  return _load("cpu") is not None
-
-
-def cuda_extension_available() -> bool:
-  return _load("CUDA") is not None
-
-
-def _gpu_present() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
-
-
-def ensure_registered() -> None:
-  """Registers the extensions of the backends present; safe to call many times."""
-  _load("cpu")
-  if _gpu_present():
-    _load("CUDA")
-
-
-def default_backend() -> str:
-  return jax.default_backend()
-
-
-def kernel_platform() -> str | None:
-  """The kernel platform for the default backend ("cpu" or "cuda"), if its extension loaded."""
-  backend = default_backend()
-  if backend == "cpu" and cpu_extension_available():
-    return "cpu"
-  if backend in ("gpu", "cuda") and cuda_extension_available():
-    return "cuda"
-  return None
+from . import registry
 
 
 def _cuda_bytes(what: str, direction: str, q_shape, kv_shape, mask, deterministic: bool) -> int:
@@ -66,7 +12,7 @@ def _cuda_bytes(what: str, direction: str, q_shape, kv_shape, mask, deterministi
   args = (b, sq, skv, hq, hkv, d, mask.is_causal, mask.window_left, mask.window_right, mask.chunk_size)
   if direction == "bwd":
     args += (deterministic,)
-  return int(getattr(_load("CUDA"), f"attention_{direction}_{what}_bytes")(*args))
+  return int(getattr(registry.cuda_module(), f"attention_{direction}_{what}_bytes")(*args))
 
 
 def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, deterministic: bool) -> int:
@@ -74,7 +20,7 @@ def attention_workspace_bytes(direction: str, q_shape, kv_shape, mask, determini
 
   Passed to the FFI call as an extra result buffer: XLA owns it, so its address is stable under
   CUDA-graph capture."""
-  if kernel_platform() != "cuda":
+  if registry.kernel_platform() != "cuda":
     return 0
   return _cuda_bytes("workspace", direction, q_shape, kv_shape, mask, deterministic)
 
@@ -97,7 +43,7 @@ def cuda_kernel_head_dims(direction: str, d: int, dv: int, scale: float, determi
   both (<= 256), and for V the smallest width from dv up that they run next to w (w itself but
   for multi-head latent attention's 192 / 128 in the sm_90a kernels). Not cached: the development
   switch JAXCP_DISABLE_SM90 is read at each call."""
-  module = _load("CUDA")
+  module = registry.cuda_module()
   runs = lambda w, wv: module.attention_head_dim_supported(direction == "fwd", w, wv, scale, deterministic)
   w = next(w for w in CUDA_KERNEL_HEAD_DIMS if w >= max(d, dv) and runs(w, w))
   wv = next(wv for wv in CUDA_KERNEL_HEAD_DIMS if dv <= wv <= w and (wv == w or runs(w, wv)))

@@ -8,16 +8,17 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from .. import compat, cuda_capabilities, masks, registry
+from ..primitive_utils import choose_implementation
+from ..small_seq.api import small_seq_eligible, small_seq_from_attention
 from . import context_parallel as cp_lib
-from . import masks, registry
-from .attention_primitive import AttentionConfig, attention_bwd_p, attention_fwd_p
-from .primitive_utils import choose_implementation
+from . import sharding  # noqa: F401  (gives the primitives their partitioned lowering)
+from .primitive import AttentionConfig, attention_bwd_p, attention_fwd_p
 from .reference import attention_reference
-from .small_seq import small_seq_eligible, small_seq_from_attention
 
 # Any head dim up to 256 runs on the CUDA kernels: one they have no tiles for is zero-padded to the
 # next they do (zero columns change neither q.k nor p.v, and their gradients are sliced off).
-_CUDA_ANY_HEAD_DIM = range(1, registry.CUDA_KERNEL_HEAD_DIMS[-1] + 1)
+_CUDA_ANY_HEAD_DIM = range(1, cuda_capabilities.CUDA_KERNEL_HEAD_DIMS[-1] + 1)
 _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -27,7 +28,7 @@ _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 def _cp_inside_shard_map(config, k, q):
   """Strategy, axis and size for an explicit context_parallel_axis (inside jax.shard_map)."""
   axis = config.context_parallel_axis
-  cp_size = cp_lib.axis_size(axis)
+  cp_size = compat.axis_size(axis)
   strategy = cp_lib.choose_strategy(config.context_parallel, cp_size, k.shape[1],
                                               q.shape[2], k.shape[2])
   return strategy, axis, cp_size, dataclasses.replace(config, context_parallel_axis=None)
@@ -92,10 +93,10 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 def _kernel_head_dims(impl, d, dv, scale, deterministic):
   """((head dim, value head dim) of the forward kernels, (the same) of the backward's) for head
   dims d and dv: themselves on the CPU; on CUDA the next the kernels have tiles for on this device
-  (registry.cuda_kernel_head_dims)."""
+  (cuda_capabilities.cuda_kernel_head_dims)."""
   if impl != "cuda":
     return (d, dv), (d, dv)
-  return tuple(registry.cuda_kernel_head_dims(direction, d, dv, scale, deterministic) for direction in ("fwd", "bwd"))
+  return tuple(cuda_capabilities.cuda_kernel_head_dims(direction, d, dv, scale, deterministic) for direction in ("fwd", "bwd"))
 
 
 def _pad_head_dim(x, width):

@@ -8,27 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .mask_spec import MaskSpec
-
-
-def floor_div(a, b):
-  return jnp.floor_divide(a, b)
-
-
-def allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, spec: MaskSpec):
-  """Boolean [B, Sq, Skv]: the mask model of DESIGN.md section 1."""
-  qs, ks = q_seg[:, :, None], kv_seg[:, None, :]
-  mask = (qs == ks) & (qs != 0)
-  d = q_pos[:, :, None] - kv_pos[:, None, :]
-  if spec.is_causal:
-    mask &= d >= 0
-  if spec.window_left >= 0:
-    mask &= d <= spec.window_left
-  if spec.window_right >= 0:
-    mask &= -d <= spec.window_right
-  if spec.chunk_size > 0:
-    mask &= floor_div(q_pos[:, :, None], spec.chunk_size) == floor_div(kv_pos[:, None, :], spec.chunk_size)
-  return mask
+from ..mask_spec import MaskSpec
+from ..masks import allowed_pairs
 
 
 def attention_reference(q, k, v, q_seg, q_pos, kv_seg, kv_pos, spec: MaskSpec, scale: float,
