@@ -174,8 +174,10 @@ def test_queries_sharded_keys_replicated_needs_no_communication(cpu_devices):
 
 def test_auto_strategy_rule():
   from jaxcp._src.attention.context_parallel import choose_strategy
-  assert choose_strategy("auto", 2, 65536, 32, 32) == "all_gather"      # two ranks
-  assert choose_strategy("auto", 8, 1024, 32, 32) == "all_gather"       # short local blocks
-  assert choose_strategy("auto", 8, 65536, 32, 8) == "all_gather"       # GQA 4: small K/V
-  assert choose_strategy("auto", 8, 65536, 16, 16) == "ring"
-  assert choose_strategy("ring", 2, 16, 1, 1) == "ring"
+  assert choose_strategy("auto", 2, 65536, 65536, 32, 32) == "all_gather"      # two ranks
+  assert choose_strategy("auto", 8, 1024, 1024, 32, 32) == "all_gather"        # short local blocks
+  assert choose_strategy("auto", 8, 65536, 65536, 32, 8) == "all_gather"       # GQA 4: small K/V
+  assert choose_strategy("auto", 8, 65536, 65536, 16, 16) == "ring"
+  assert choose_strategy("ring", 2, 16, 16, 1, 1) == "ring"
+  placement = jaxcp.DocumentPlacement(8)
+  assert choose_strategy(placement, 4, 16, 16, 4, 4) is placement

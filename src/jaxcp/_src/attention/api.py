@@ -29,8 +29,8 @@ def _cp_inside_shard_map(config, k, q):
   """Strategy, axis and size for an explicit context_parallel_axis (inside jax.shard_map)."""
   axis = config.context_parallel_axis
   cp_size = compat.axis_size(axis)
-  strategy = cp_lib.choose_strategy(config.context_parallel, cp_size, k.shape[1],
-                                              q.shape[2], k.shape[2])
+  strategy = cp_lib.choose_strategy(config.context_parallel, cp_size, q.shape[1], k.shape[1],
+                                    q.shape[2], k.shape[2])
   return strategy, axis, cp_size, dataclasses.replace(config, context_parallel_axis=None)
 
 
@@ -153,7 +153,9 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
     cu_seqlens: int32 [B, MAX_DOCS+1], an alternative to segment_ids for self attention.
     is_causal, local_window_size (w or (left, right)), chunk_size: the mask rules.
     scale: softmax scale, default D ** -0.5.
-    context_parallel, context_parallel_axis: strategy for a sharded sequence axis.
+    context_parallel: strategy for a sharded sequence axis: "auto", "all_gather", "ring", or the
+      jaxcp.DocumentPlacement that load_balance_permutation laid the rows out with.
+    context_parallel_axis: the mesh axis of the sequence inside jax.shard_map (None under jit).
     implementation: None (best available), "cuda", "cpu" or "xla" (pure-JAX reference).
     deterministic: bitwise reproducible backward.
     return_residual: also return the LSE, float32 [B, Hq, Sq].
@@ -170,8 +172,10 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
     scale = d ** -0.5
   elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
     raise ValueError(f"scale must be None or a Python float, got {scale!r}.")
-  if context_parallel not in cp_lib.STRATEGIES:
-    raise ValueError(f"context_parallel must be one of {cp_lib.STRATEGIES}, got {context_parallel!r}.")
+  cp_lib.check_strategy(context_parallel)
+  if isinstance(context_parallel, cp_lib.DocumentPlacement) and sq != skv:
+    raise ValueError(f"context_parallel=DocumentPlacement(...) lays out the tokens of one row for self attention "
+                     f"(Sq == Skv), got Sq={sq} and Skv={skv}; use context_parallel='all_gather' or 'ring'.")
   if context_parallel_axis is not None and not isinstance(context_parallel_axis, str):
     raise ValueError(f"context_parallel_axis must be a mesh axis name (str) or None, got {context_parallel_axis!r}.")
   if not isinstance(deterministic, bool):

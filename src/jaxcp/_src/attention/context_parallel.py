@@ -1,4 +1,4 @@
-"""Context-parallel attention over a sharded sequence axis: all-gather and ring.
+"""Context-parallel attention over a sharded sequence axis: all-gather, ring and document placement.
 
 Both algorithms run on per-rank shards inside a body where the context-parallel mesh axis is
 bound (a custom_partitioning lowering under jax.jit, or a jax.shard_map). Because the mask
@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import compat
+from .placement import DocumentPlacement
 
 STRATEGIES = ("auto", "all_gather", "ring")
 
@@ -26,8 +26,25 @@ AUTO_RING_MIN_LOCAL_KV = 4096
 AUTO_RING_MAX_GQA_RATIO = 4
 
 
-def choose_strategy(strategy: str, cp_size: int, local_kv_len: int, q_heads: int, kv_heads: int) -> str:
-  """Resolves "auto" to "all_gather" or "ring" (see the constants above)."""
+def check_strategy(strategy) -> None:
+  """ValueError unless `strategy` is a context_parallel value jaxcp.attention takes."""
+  if not (isinstance(strategy, DocumentPlacement) or (isinstance(strategy, str) and strategy in STRATEGIES)):
+    raise ValueError(f"context_parallel must be one of {STRATEGIES} or a jaxcp.DocumentPlacement, got {strategy!r}.")
+
+
+def choose_strategy(strategy, cp_size: int, local_q_len: int, local_kv_len: int, q_heads: int, kv_heads: int):
+  """Resolves "auto" to "all_gather" or "ring" (see the constants above); a DocumentPlacement
+  stays, once checked against the local shard."""
+  if isinstance(strategy, DocumentPlacement):
+    if local_q_len != local_kv_len:
+      raise ValueError(f"context_parallel=DocumentPlacement(...) places the tokens of one row for self attention; "
+                       f"the query and key/value shards differ ({local_q_len} and {local_kv_len} tokens). Use "
+                       f"context_parallel='all_gather' or 'ring' for cross attention.")
+    if strategy.shared_tokens > local_kv_len:
+      raise ValueError(f"context_parallel=DocumentPlacement(shared_tokens={strategy.shared_tokens}) does not fit a "
+                       f"shard of {local_kv_len} tokens (S / cp); use the placement that load_balance_permutation "
+                       f"laid the rows out with, for this cp.")
+    return strategy
   if strategy != "auto":
     return strategy
   if (cp_size < AUTO_RING_MIN_CP or local_kv_len < AUTO_RING_MIN_LOCAL_KV
@@ -65,9 +82,7 @@ def all_gather_bwd(local_bwd, axis, q, k, v, out, lse, dout, dlse, q_seg, q_pos,
   gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
   dq, dk, dv = local_bwd(q, gather(k), gather(v), out, lse, dout, dlse, q_seg, q_pos,
                          gather(kv_seg), gather(kv_pos))
-  scatter = lambda x, like: jax.lax.psum_scatter(
-      x.astype(jnp.float32), axis, scatter_dimension=1, tiled=True).astype(like.dtype)
-  return dq, scatter(dk, k), scatter(dv, v)
+  return dq, _reduce_scatter(dk, axis, k.dtype), _reduce_scatter(dv, axis, v.dtype)
 
 
 # ---------------------------------------------------------------- ring
@@ -108,16 +123,82 @@ def ring_bwd(local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_p
   return dq.astype(q.dtype), dk_acc.astype(k.dtype), dv_acc.astype(v.dtype)
 
 
+# ---------------------------------------------------------------- document placement
+
+
+def _regions(placement: DocumentPlacement, shard_len: int):
+  """(local, shared) lengths of a shard: its first S/cp - R and last R tokens."""
+  shared = placement.shared_tokens
+  return shard_len - shared, shared
+
+
+def placed_fwd(placement, local_fwd, axis, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+  """Local queries against local keys (no communication); shared queries against the shared
+  keys of every rank, the only exchange. Two independent problems: no merge."""
+  c, r = _regions(placement, q.shape[1])
+  outs, lses = [], []
+  if r:  # the gather has no dependence on the local part: XLA overlaps the two
+    gather = lambda x: jax.lax.all_gather(x[:, c:], axis, axis=1, tiled=True)
+    shared_kv = (gather(k), gather(v), gather(kv_seg), gather(kv_pos))
+  if c:
+    out, lse = local_fwd(q[:, :c], k[:, :c], v[:, :c], q_seg[:, :c], q_pos[:, :c], kv_seg[:, :c], kv_pos[:, :c])
+    outs.append(out)
+    lses.append(lse)
+  if r:
+    kg, vg, seg_g, pos_g = shared_kv
+    out, lse = local_fwd(q[:, c:], kg, vg, q_seg[:, c:], q_pos[:, c:], seg_g, pos_g)
+    outs.append(out)
+    lses.append(lse)
+  return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+
+
+def placed_bwd(placement, local_bwd, axis, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
+  """Gradients of placed_fwd: the shared keys gathered again (memory stays O(local)) and only
+  their dK/dV reduce-scattered."""
+  c, r = _regions(placement, q.shape[1])
+  dqs, dks, dvs = [], [], []
+
+  def part(x, lo, hi, axis_=1):
+    return jax.lax.slice_in_dim(x, lo, hi, axis=axis_)
+
+  if c:
+    dq, dk, dv = local_bwd(*(part(x, 0, c) for x in (q, k, v, out)), part(lse, 0, c, 2), part(dout, 0, c),
+                           part(dlse, 0, c, 2), *(part(x, 0, c) for x in (q_seg, q_pos, kv_seg, kv_pos)))
+    dqs.append(dq)
+    dks.append(dk)
+    dvs.append(dv)
+  if r:
+    n = q.shape[1]
+    gather = lambda x: jax.lax.all_gather(part(x, c, n), axis, axis=1, tiled=True)
+    dq, dkg, dvg = local_bwd(part(q, c, n), gather(k), gather(v), part(out, c, n), part(lse, c, n, 2),
+                             part(dout, c, n), part(dlse, c, n, 2), part(q_seg, c, n), part(q_pos, c, n),
+                             gather(kv_seg), gather(kv_pos))
+    dqs.append(dq)
+    dks.append(_reduce_scatter(dkg, axis, k.dtype))
+    dvs.append(_reduce_scatter(dvg, axis, v.dtype))
+  cat = lambda xs: jnp.concatenate(xs, axis=1)
+  return cat(dqs), cat(dks), cat(dvs)
+
+
+def _reduce_scatter(x, axis, dtype):
+  """Sums the ranks' partial gradients of gathered keys and keeps this rank's slice (float32 sums)."""
+  return jax.lax.psum_scatter(x.astype(jnp.float32), axis, scatter_dimension=1, tiled=True).astype(dtype)
+
+
 # ---------------------------------------------------------------- dispatch
 
 
 def cp_fwd(strategy, local_fwd, axis, cp_size, *args):
+  if isinstance(strategy, DocumentPlacement):
+    return placed_fwd(strategy, local_fwd, axis, *args)
   if strategy == "ring":
     return ring_fwd(local_fwd, axis, cp_size, *args)
   return all_gather_fwd(local_fwd, axis, *args)
 
 
 def cp_bwd(strategy, local_bwd, axis, cp_size, *args):
+  if isinstance(strategy, DocumentPlacement):
+    return placed_bwd(strategy, local_bwd, axis, *args)
   if strategy == "ring":
     return ring_bwd(local_bwd, axis, cp_size, *args)
   return all_gather_bwd(local_bwd, axis, *args)

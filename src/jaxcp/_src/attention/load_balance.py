@@ -62,6 +62,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from .document_zigzag import document_layout, zigzag_docs_ranks
+from .placement import DocumentPlacement, placement_permutation
+
 __all__ = [
     "STRATEGIES",
     "load_balance",
@@ -272,20 +275,6 @@ def invert_permutation(perm):
 # document-aware permutation
 
 
-def _document_layout(seg, xp):
-  """(idx, real, doc_start) for documents = maximal runs of equal non-zero segment ids."""
-  s = seg.shape[-1]
-  idx = xp.broadcast_to(xp.arange(s, dtype=np.int32), seg.shape)
-  real = seg != 0
-  zeros = xp.zeros(seg.shape[:-1] + (1,), dtype=seg.dtype)
-  start = real & (seg != xp.concatenate([zeros, seg[..., :-1]], axis=-1))
-  if xp is np:
-    doc_start = np.maximum.accumulate(np.where(start, idx, 0), axis=-1)
-  else:
-    doc_start = jax.lax.cummax(jnp.where(start, idx, 0), axis=seg.ndim - 1)
-  return idx, real, doc_start
-
-
 def _balanced_blocks_order(seg, cp: int, block_size: int, xp):
   """Block order (int32 [..., S // block_size]) for strategy 'balanced_blocks'.
 
@@ -296,7 +285,7 @@ def _balanced_blocks_order(seg, cp: int, block_size: int, xp):
   """
   s = seg.shape[-1]
   nb = s // block_size
-  idx, real, doc_start = _document_layout(seg, xp)
+  idx, real, doc_start = document_layout(seg, xp)
   # Exact integer sums (numpy and JAX agree bit for bit) unless int32 could overflow in JAX.
   wdtype = np.int64 if xp is np else (jnp.int32 if s * block_size < 2**31 else jnp.float32)
   work = xp.where(real, idx - doc_start + 1, 0).astype(wdtype)
@@ -310,56 +299,6 @@ def _balanced_blocks_order(seg, cp: int, block_size: int, xp):
   by_work = jnp.argsort(-work, axis=-1, stable=True)
   rank = jnp.take(jnp.asarray(snake), jnp.argsort(by_work, axis=-1, stable=True))
   return jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
-
-
-def _zigzag_docs_ranks(seg, cp: int, xp):
-  """Target rank of every token (int32 [..., S]) for strategy 'zigzag_docs'.
-
-  A document of length L starting at index U of the stream of non-padding tokens gets the
-  per-rank token counts that striped would give it: slot j (rank (U + j) % cp) takes
-  c_j = L // cp + (j < L % cp) tokens. It gets them as pairs of positions (p, L-1-p), a front
-  piece and its mirror image at the back (slot 0 outermost), plus, for odd c_j, one token of
-  the block of the innermost tokens. A pair costs L + 1 keys wherever it sits, so per-rank work
-  is even up to the middle block (at most cp / 2 keys off per slot). Padding tokens continue the
-  stream after the last non-padding token (rank u % cp); counts add up over documents exactly as
-  for striped, so every rank ends up with exactly S / cp tokens.
-  """
-  s = seg.shape[-1]
-  i32 = np.int32
-  idx, real, doc_start = _document_layout(seg, xp)
-  zeros = xp.zeros(seg.shape[:-1] + (1,), dtype=seg.dtype)
-  end = real & (seg != xp.concatenate([seg[..., 1:], zeros], axis=-1))
-  if xp is np:
-    doc_end = np.flip(np.minimum.accumulate(np.flip(np.where(end, idx, s), -1), axis=-1), -1)
-  else:
-    doc_end = jax.lax.cummin(jnp.where(end, idx, s), axis=seg.ndim - 1, reverse=True)
-  p = idx - doc_start                                  # position inside the document
-  length = xp.where(real, doc_end - doc_start + 1, 1)  # document length (1 on padding)
-  q = length - 1 - p                                   # position counted from the end
-  real_i = real.astype(i32)
-  real_excl = xp.cumsum(real_i, axis=-1, dtype=i32) - real_i   # non-padding tokens before t
-  u0 = real_excl - p                                   # stream index of the document start
-
-  # Slot j takes c_j = m + (j < e) tokens: floor(c_j / 2) pairs (p, L-1-p), which cost L + 1 keys
-  # each whatever p is, as one run of pair indices (P_j = sum_{i<j} floor(c_i / 2) onwards, so
-  # a front piece and its mirrored back piece), plus one token of the middle block if c_j is
-  # odd. The middle block holds the n_odd innermost tokens, the cheapest to leave unpaired.
-  m, e = length // cp, length % cp
-  h, a = m // 2, m % 2
-  n_odd = xp.where(a == 1, cp - e, e)                  # slots with an odd count
-  n_pairs = (length - n_odd) // 2
-  in_pair = (p < n_pairs) | (q < n_pairs)
-  k = xp.minimum(p, q)                                 # pair index (outermost pair is 0)
-  s1 = h + a                                           # pairs per slot j < e (h for j >= e)
-  ke = e * s1
-  slot_pair = xp.where(k < ke, k // xp.maximum(s1, 1), e + (k - ke) // xp.maximum(h, 1))
-  mid = p - n_pairs                                    # index inside the middle block
-  slot_mid = xp.where(a == 1, e + mid, mid)            # the mid-th odd slot
-  slot = xp.where(in_pair, slot_pair, slot_mid)
-  rank_real = (slot + u0) % cp
-  n_real = xp.sum(real_i, axis=-1, keepdims=True, dtype=i32)
-  rank_pad = (n_real + (idx - real_excl)) % cp
-  return xp.where(real, rank_real, rank_pad).astype(i32)
 
 
 def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "balanced_blocks",
@@ -383,6 +322,12 @@ def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "bala
     gets exactly ``S / cp_size`` tokens). Token-exact balance for any mix; long documents stay
     in two contiguous pieces per rank, short ones are spread token by token.
   * ``"striped"`` / ``"zigzag"``: the static permutations, broadcast to ``segment_ids.shape``.
+  * a :class:`jaxcp.DocumentPlacement`: every segment whole in one rank's local region (balancing
+    ``token_cost * L + pair_cost * L**2`` per rank) or cut into ``2 * cp_size`` zigzag pieces in
+    the shared region (the last ``shared_tokens`` of each rank); pass the same object as
+    ``jaxcp.attention(..., context_parallel=placement)``, which then exchanges only the shared
+    region. Raises ValueError (at run time under jit) when a row does not fit; see
+    :func:`jaxcp.choose_placement`.
 
   Typical use (positions derived *before* permuting and passed explicitly)::
 
@@ -397,7 +342,8 @@ def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "bala
       e.g. in the input pipeline; returns numpy) or JAX, possibly traced (computed with jnp,
       jit-safe; the shape is static, the values may be traced).
     cp_size: number of context-parallel ranks (static int >= 1); ``S % cp_size == 0``.
-    strategy: ``"balanced_blocks"``, ``"zigzag_docs"``, ``"striped"`` or ``"zigzag"``.
+    strategy: ``"balanced_blocks"``, ``"zigzag_docs"``, ``"striped"``, ``"zigzag"`` or a
+      DocumentPlacement.
     block_size: tokens per block for ``"balanced_blocks"`` (static int >= 1; ignored otherwise).
 
   Returns:
@@ -405,8 +351,10 @@ def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "bala
     permuted position ``j``; rank ``r`` holds ``perm[..., r * S // cp : (r + 1) * S // cp]``.
   """
   cp = _check_cp_size(cp_size)
+  if isinstance(strategy, DocumentPlacement):
+    return placement_permutation(segment_ids, cp, strategy)
   if not isinstance(strategy, str):
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {type(strategy).__name__}.")
+    raise ValueError(f"strategy must be one of {STRATEGIES} or a DocumentPlacement, got {type(strategy).__name__}.")
   _check_strategy_name(strategy)
   if not hasattr(segment_ids, "shape") or np.ndim(segment_ids) < 1:
     raise ValueError("segment_ids must be an integer array of shape [..., S].")
@@ -431,7 +379,7 @@ def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "bala
     order = _balanced_blocks_order(segment_ids, cp, block_size, xp)
     perm = order[..., :, None] * block_size + xp.arange(block_size, dtype=np.int32)
     return xp.reshape(perm, segment_ids.shape).astype(np.int32)
-  ranks = _zigzag_docs_ranks(segment_ids, cp, xp)
+  ranks = zigzag_docs_ranks(segment_ids, cp, xp)
   if xp is np:
     if cp <= 2**16:  # numpy's stable sort is a radix sort for 16-bit keys
       ranks = ranks.astype(np.uint16)

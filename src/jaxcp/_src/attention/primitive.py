@@ -29,7 +29,7 @@ class AttentionConfig:
   mask: MaskSpec
   scale: float
   deterministic: bool = False
-  context_parallel: str = "auto"        # "auto" | "all_gather" | "ring"
+  context_parallel: object = "auto"     # "auto" | "all_gather" | "ring" | a DocumentPlacement
   context_parallel_axis: str | None = None  # explicit axis inside shard_map
 
   def ffi_attrs(self, with_deterministic: bool) -> dict:

@@ -8,7 +8,7 @@ across a key/value head), which gives three cases for heads sharded n ways:
       and each shard slices its kv head (the backward then sums dK/dV over the head axis);
   otherwise -> heads replicated.
 A sharded query sequence axis is context parallelism: when K/V are sharded on the sequence too,
-the partition runs `context_parallel` (all-gather or ring) over that mesh axis; when K/V are not
+the partition runs `context_parallel` (all-gather, ring or a document placement) over that mesh axis; when K/V are not
 sharded on the sequence (e.g. cross attention to a short context), every rank attends to all of
 K/V with no communication.
 """
@@ -94,7 +94,7 @@ def _cp_plan(config, mesh, layout: Layout, q, k):
     return None
   cp_size = mesh_axis_size(mesh, layout.kv_seq)
   strategy = context_parallel.choose_strategy(
-      config.context_parallel, cp_size, k.shape[1] // cp_size, q.shape[2], k.shape[2])
+      config.context_parallel, cp_size, q.shape[1] // cp_size, k.shape[1] // cp_size, q.shape[2], k.shape[2])
   return strategy, cp_size
 
 

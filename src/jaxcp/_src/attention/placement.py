@@ -1,0 +1,404 @@
+"""Document placement for context parallelism: exchange only the documents that cross ranks.
+
+A context-parallel rank holds ``S / cp`` tokens of each row. Under a :class:`DocumentPlacement`
+with ``shared_tokens = R`` its shard is two regions:
+
+* the first ``S / cp - R`` tokens are *local*: whole segments (a segment is every token of one
+  segment id in the row) that live on this rank alone, plus padding;
+* the last ``R`` tokens are *shared*: pieces of the segments that are spread over all ranks.
+  Every shared segment is cut into ``2 * cp`` zigzag pieces (piece ``j`` and its mirror
+  ``2 * cp - 1 - j`` on one rank), so its causal work is even over the ranks.
+
+Attention on such a layout is two independent problems with no merge: local queries against
+the local keys of their own rank (no communication) and shared queries against the shared keys
+of every rank (the only exchange: ``R`` tokens per rank). The placement of local segments
+balances a per-segment cost ``token_cost * L + pair_cost * L**2`` over the ranks (longest
+processing time first, under each rank's local capacity); the largest segments go to the shared
+region when that balances better or when they do not fit.
+
+The permutation is computed with numpy (an input pipeline's job), or under ``jax.jit`` through
+``jax.pure_callback`` running the same numpy code. A row whose shared segments need more than
+``R`` tokens per rank raises ``ValueError``; :func:`choose_placement` picks, per batch, the
+smallest of a few static sizes that fits, the largest being ``S / cp`` (everything shared: the
+full exchange), so every input is placed exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .document_zigzag import zigzag_docs_ranks
+
+# Cost of a segment of L tokens: TOKEN_COST * L + PAIR_COST * L**2 (relative units; only the
+# ratio matters). Fitted to jaxcp's own causal forward+backward times on rows of equal documents
+# (benchmarks/calibrate_placement.py): a segment's work is its allowed pairs plus a per-token
+# part (tile edges, the plan, loads and stores) worth TOKEN_COST pairs.
+DEFAULT_TOKEN_COST = 192.0
+DEFAULT_PAIR_COST = 0.5
+# A placement is balanced when its costliest rank is at most this far above the mean.
+DEFAULT_TOLERANCE = 0.02
+# choose_placement's default sizes: these fractions of S / cp (the last is the full exchange).
+DEFAULT_SHARED_FRACTIONS = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentPlacement:
+  """A context-parallel token layout: whole segments per rank, long ones shared by all ranks.
+
+  Pass the same object to :func:`jaxcp.load_balance_permutation` (``strategy=``), which builds
+  the layout, and to :func:`jaxcp.attention` (``context_parallel=``), which relies on it.
+
+  Attributes:
+    shared_tokens: R, the tokens per rank (and per row) in the shared region, the last R of
+      each rank's ``S / cp``. Static: each value compiles its own program. 0 means no exchange
+      at all; ``S / cp`` means every segment is shared (the exchange of all_gather).
+    token_cost, pair_cost: the balancing cost of a segment of L tokens,
+      ``token_cost * L + pair_cost * L**2``.
+    tolerance: how far above the mean the costliest rank may be before more segments are
+      moved to the shared region (when R leaves room).
+  """
+  shared_tokens: int
+  token_cost: float = DEFAULT_TOKEN_COST
+  pair_cost: float = DEFAULT_PAIR_COST
+  tolerance: float = DEFAULT_TOLERANCE
+
+  def __post_init__(self):
+    r = self.shared_tokens
+    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+      raise ValueError(f"DocumentPlacement: shared_tokens must be an int >= 0 (tokens per rank in the "
+                       f"shared region), got {r!r}.")
+    object.__setattr__(self, "shared_tokens", int(r))
+    for name in ("token_cost", "pair_cost", "tolerance"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value < 0:
+        raise ValueError(f"DocumentPlacement: {name} must be a number >= 0, got {value!r}.")
+      object.__setattr__(self, name, float(value))
+    if self.token_cost == 0 and self.pair_cost == 0:
+      raise ValueError("DocumentPlacement: token_cost and pair_cost cannot both be 0.")
+
+  def local_tokens(self, seq_len: int, cp: int) -> int:
+    """Tokens per rank in the local region, S / cp - R; raises if R does not fit."""
+    shard = seq_len // cp
+    if self.shared_tokens > shard:
+      raise ValueError(f"DocumentPlacement(shared_tokens={self.shared_tokens}) does not fit a shard of "
+                       f"{shard} tokens (S={seq_len}, cp={cp}); use shared_tokens <= S / cp.")
+    return shard - self.shared_tokens
+
+
+# ---------------------------------------------------------------- one row
+
+
+SHARED, EVICTED = -1, -2  # segment ranks besides 0 .. cp-1
+
+
+@dataclasses.dataclass
+class _Segments:
+  """The runs of one row and the segments (non-zero ids) they form."""
+  run_start: np.ndarray   # int64 [n_runs]
+  run_len: np.ndarray     # int64 [n_runs]
+  run_seg: np.ndarray     # int64 [n_runs]: segment index, -1 for padding runs
+  length: np.ndarray      # int64 [n_segs]: tokens of each segment
+
+
+def _segments(row: np.ndarray) -> _Segments:
+  s = row.shape[0]
+  change = np.flatnonzero(row[1:] != row[:-1]) + 1
+  start = np.concatenate([[0], change]).astype(np.int64)
+  length = np.diff(np.concatenate([start, [s]])).astype(np.int64)
+  ids = row[start]
+  real = ids != 0
+  run_seg = np.full(start.shape, -1, np.int64)
+  if real.any():
+    # Segments numbered by first occurrence (a reused id joins its runs into one segment).
+    uniq, first, inv = np.unique(ids[real], return_index=True, return_inverse=True)
+    by_first = np.argsort(first, kind="stable")
+    rank_of = np.empty_like(by_first)
+    rank_of[by_first] = np.arange(by_first.size)
+    run_seg[real] = rank_of[inv]
+  n_segs = int(run_seg.max()) + 1 if real.any() else 0
+  seg_len = np.bincount(run_seg[real], weights=length[real], minlength=n_segs).astype(np.int64)
+  return _Segments(start, length, run_seg, seg_len)
+
+
+def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared_budget: int,
+            tolerance: float, evict: bool):
+  """(rank of every segment: r >= 0 local, SHARED or EVICTED; max / mean cost), or None.
+
+  For k = 0, 1, ...: the k largest segments (at least every one longer than a local region) are
+  shared; the rest go longest first to the cheapest rank with room (LPT); one that finds no room
+  goes to the shared region if it has room left (the exchange moves R tokens per rank whether or
+  not they are used, so filling it is free), else it is evicted (evict=True) or that k fails.
+  Scored by the costliest rank over the mean, times the tokens of the row over those placed;
+  the first k within `tolerance` on both counts wins, else the best score. None when no k fits.
+  """
+  n = length.size
+  total = max(int(length.sum()), 1)
+  order = np.argsort(-length, kind="stable")
+  n_must = int((length > capacity).sum())
+  pre_evicted = np.zeros(n, bool)
+  if evict:  # segments too long for a local region that the shared one cannot take either
+    room = shared_budget
+    for g in order[:n_must]:
+      if length[g] <= room:
+        room -= length[g]
+      else:
+        pre_evicted[g] = True
+    order = np.concatenate([order[:n_must][~pre_evicted[order[:n_must]]], order[n_must:], order[:n_must][pre_evicted[order[:n_must]]]])
+    n_must -= int(pre_evicted.sum())
+    n -= int(pre_evicted.sum())
+  best = None
+  for k in range(n_must, n + 1):
+    shared_room = shared_budget - int(length[order[:k]].sum())
+    if shared_room < 0:
+      break
+    rank = np.where(pre_evicted, EVICTED, SHARED).astype(np.int64)
+    load = np.zeros(cp)
+    room = np.full(cp, capacity, np.int64)
+    shared_cost = float(cost[order[:k]].sum())
+    placed = total - int(length[pre_evicted].sum())
+    fits = True
+    for g in order[k:n]:
+      open_ranks = np.flatnonzero(room >= length[g])
+      if open_ranks.size:
+        r = open_ranks[np.argmin(load[open_ranks])]
+        rank[g] = r
+        load[r] += cost[g]
+        room[r] -= length[g]
+      elif length[g] <= shared_room:
+        shared_room -= length[g]
+        shared_cost += cost[g]
+      elif evict:
+        rank[g] = EVICTED
+        placed -= int(length[g])
+      else:
+        fits = False
+        break
+    if not fits:
+      continue
+    load += shared_cost / cp
+    mean = load.mean()
+    imbalance = float(load.max() / mean) if mean > 0 else 1.0
+    score = imbalance * total / max(placed, 1)
+    if best is None or score < best[2] - 1e-12:
+      best = (rank, imbalance, score)
+    if imbalance <= 1.0 + tolerance and total <= placed * (1.0 + tolerance):
+      break
+  return None if best is None else best[:2]
+
+
+def _zigzag_ranks(stream_seg: np.ndarray, cp: int) -> np.ndarray:
+  """Rank of every token of the shared stream: each run cut into 2 * cp zigzag pieces, every
+  rank taking exactly len(stream) / cp tokens (load_balance's "zigzag_docs")."""
+  return zigzag_docs_ranks(stream_seg[None], cp, np)[0]
+
+
+def _row_permutation(row: np.ndarray, cp: int, placement: DocumentPlacement, evict: bool = False):
+  """(perm [S] int32, max / mean cost, evicted [S] bool) of one row, or None when R is too small.
+
+  evict=True: a local segment that finds no room is left out (its tokens are marked evicted and
+  placed like padding; the caller turns them into padding and packs them elsewhere)."""
+  s = row.shape[0]
+  shard = s // cp
+  r_tokens = placement.shared_tokens
+  capacity = placement.local_tokens(s, cp)
+  seg = _segments(row)
+  cost = placement.token_cost * seg.length + placement.pair_cost * seg.length.astype(np.float64) ** 2
+  assigned = _assign(seg.length, cost, cp, capacity, cp * r_tokens, placement.tolerance, evict)
+  if assigned is None:
+    return None
+  seg_rank, imbalance = assigned
+
+  real_run = seg.run_seg >= 0
+  # Padding runs and evicted segments' runs are laid out as padding.
+  run_rank = np.full(seg.run_seg.shape, EVICTED, np.int64)
+  run_rank[real_run] = seg_rank[seg.run_seg[real_run]]
+  dest_start = np.zeros(seg.run_start.shape, np.int64)
+  # Local runs: in row order after each other at the start of their rank's shard.
+  local = run_rank >= 0
+  if local.any():
+    idx = np.flatnonzero(local)
+    by_rank = idx[np.argsort(run_rank[idx], kind="stable")]
+    lens = seg.run_len[by_rank]
+    ranks = run_rank[by_rank]
+    before = np.cumsum(lens) - lens
+    first_of_rank = np.searchsorted(ranks, ranks)           # ranks is sorted
+    dest_start[by_rank] = ranks * shard + before - before[first_of_rank]
+  dest = np.full(s, -1, np.int64)
+  token_run = np.repeat(np.arange(seg.run_start.size), seg.run_len)
+  offset_in_run = np.arange(s) - seg.run_start[token_run]
+  is_local = local[token_run]
+  dest[is_local] = dest_start[token_run[is_local]] + offset_in_run[is_local]
+
+  # Shared runs: a stream in row order, padded to cp * R and cut into zigzag pieces per run.
+  is_shared = (run_rank == SHARED)[token_run]
+  shared_tok = np.flatnonzero(is_shared)
+  stream = np.zeros(cp * r_tokens, row.dtype)
+  stream[:shared_tok.size] = row[shared_tok]
+  if stream.size:
+    stream_rank = _zigzag_ranks(stream, cp)
+    order = np.argsort(stream_rank, kind="stable")
+    slot = np.empty(stream.size, np.int64)
+    slot[order] = np.arange(stream.size) - np.repeat(np.arange(cp) * r_tokens, r_tokens)
+    stream_dest = stream_rank.astype(np.int64) * shard + capacity + slot
+    dest[shared_tok] = stream_dest[:shared_tok.size]
+
+  # Padding fills every slot left: local gaps and the shared stream's tail.
+  used = np.zeros(s, bool)
+  used[dest[dest >= 0]] = True
+  pad_tok = np.flatnonzero(dest < 0)
+  dest[pad_tok] = np.flatnonzero(~used)
+  perm = np.empty(s, np.int32)
+  perm[dest] = np.arange(s, dtype=np.int32)
+  evicted = ((run_rank == EVICTED) & real_run)[token_run]
+  return perm, imbalance, evicted
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _check_cp(cp_size) -> int:
+  if isinstance(cp_size, bool):
+    raise ValueError(f"cp_size must be a static Python int >= 1, got {cp_size!r}.")
+  try:
+    cp = operator.index(cp_size)
+  except TypeError:
+    raise ValueError(f"cp_size must be a static Python int >= 1, got {type(cp_size).__name__}.") from None
+  if cp < 1:
+    raise ValueError(f"cp_size must be >= 1 (the number of context-parallel ranks), got {cp}.")
+  return cp
+
+
+def _check_segments(segment_ids, cp: int):
+  if not hasattr(segment_ids, "shape") or np.ndim(segment_ids) < 1:
+    raise ValueError("segment_ids must be an integer array of shape [..., S].")
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise ValueError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}.")
+  s = segment_ids.shape[-1]
+  if s % cp:
+    raise ValueError(f"document placement needs the sequence length to be a multiple of cp_size = {cp}, "
+                     f"got {s}; pad the rows (segment id 0) to a multiple of {cp}.")
+
+
+def place_rows(seg: np.ndarray, cp: int, placement: DocumentPlacement, evict: bool = False):
+  """(perm [..., S] int32, imbalance [...], evicted [..., S] bool) of a numpy batch; raises
+  ValueError naming the row when one does not fit (evict=False) or when its segments longer
+  than a local region overflow the shared one (either way)."""
+  rows = seg.reshape(-1, seg.shape[-1])
+  perms = np.empty(rows.shape, np.int32)
+  imbalance = np.ones(rows.shape[0])
+  evicted = np.zeros(rows.shape, bool)
+  for b, row in enumerate(rows):
+    if cp == 1:
+      perms[b] = np.arange(row.size, dtype=np.int32)
+      continue
+    placed = _row_permutation(row, cp, placement, evict)
+    if placed is None:
+      raise ValueError(
+          f"row {b}: its segments do not fit DocumentPlacement(shared_tokens={placement.shared_tokens}) "
+          f"over cp={cp} ranks: segments longer than a local region (S / cp - R = "
+          f"{placement.local_tokens(row.size, cp)} tokens) must be shared, the shared region holds "
+          f"cp * R = {cp * placement.shared_tokens} tokens, and each rank's local segments must fit its "
+          f"local region (padding fills the gaps, so full rows rarely fit). Pick R per batch with "
+          f"jaxcp.choose_placement, use a larger shared_tokens (S / cp always fits), or let "
+          f"jaxcp.data.place_batch leave out what does not fit.")
+    perms[b], imbalance[b], evicted[b] = placed
+  return perms.reshape(seg.shape), imbalance.reshape(seg.shape[:-1]), evicted.reshape(seg.shape)
+
+
+def placement_permutation(segment_ids, cp_size: int, placement: DocumentPlacement):
+  """The token permutation of a DocumentPlacement: numpy in, numpy out; JAX (traced) in, the same
+  numpy computation through jax.pure_callback. See load_balance_permutation."""
+  cp = _check_cp(cp_size)
+  _check_segments(segment_ids, cp)
+  placement.local_tokens(segment_ids.shape[-1], cp)
+  if isinstance(segment_ids, (np.ndarray, np.generic)):
+    return place_rows(np.asarray(segment_ids), cp, placement)[0]
+  result = jax.ShapeDtypeStruct(segment_ids.shape, jnp.int32)
+  host = functools.partial(_host_permutation, cp=cp, placement=placement)
+  return jax.pure_callback(host, result, segment_ids, vmap_method="expand_dims")
+
+
+def _host_permutation(seg, *, cp, placement):
+  return place_rows(np.asarray(seg), cp, placement)[0]
+
+
+def shared_sizes(seq_len: int, cp_size: int, fractions=DEFAULT_SHARED_FRACTIONS) -> tuple[int, ...]:
+  """Static shared-region sizes for choose_placement: the given fractions of S / cp, rounded up
+  to a multiple of 128 tokens where the shard allows, ascending, always ending with S / cp."""
+  cp = _check_cp(cp_size)
+  shard = seq_len // cp
+  sizes = set()
+  for f in fractions:
+    r = int(np.ceil(f * shard))
+    if shard >= 128:
+      r = min(shard, -(-r // 128) * 128)
+    sizes.add(min(r, shard))
+  sizes.add(shard)
+  return tuple(sorted(sizes))
+
+
+def choose_placement(segment_ids, cp_size: int, sizes=None, *, token_cost: float = DEFAULT_TOKEN_COST,
+                     pair_cost: float = DEFAULT_PAIR_COST, tolerance: float = DEFAULT_TOLERANCE):
+  """The DocumentPlacement for one batch and its permutation: the smallest shared size that
+  places every row within `tolerance` of even work, else the one whose worst row is the most
+  even (the largest, S / cp, always fits). Numpy only (an input pipeline's job).
+
+  Args:
+    segment_ids: int array [B, S] (numpy), the batch's rows in their original order.
+    cp_size: context-parallel ranks.
+    sizes: ascending static shared sizes to choose from (default: shared_sizes(S, cp_size));
+      each distinct size compiles its own program, so keep the list short.
+    token_cost, pair_cost, tolerance: as in DocumentPlacement.
+
+  Returns:
+    (placement, perm [B, S] int32, imbalance [B]: each row's costliest rank over the mean).
+  """
+  seg = np.asarray(segment_ids)
+  cp = _check_cp(cp_size)
+  _check_segments(seg, cp)
+  s = seg.shape[-1]
+  sizes = shared_sizes(s, cp) if sizes is None else tuple(sorted(int(r) for r in sizes))
+  if not sizes or sizes[-1] > s // cp or sizes[0] < 0:
+    raise ValueError(f"sizes must be shared-region sizes in [0, S / cp = {s // cp}], got {sizes}.")
+  best = None
+  for r in sizes:
+    placement = DocumentPlacement(r, token_cost, pair_cost, tolerance)
+    try:
+      perm, imbalance, _ = place_rows(seg, cp, placement)
+    except ValueError:
+      continue
+    worst = float(imbalance.max()) if imbalance.size else 1.0
+    if best is None or worst < best[3] - 1e-12:
+      best = (placement, perm, imbalance, worst)
+    if worst <= 1.0 + tolerance:
+      break
+  if best is None:
+    raise ValueError(f"no size in {sizes} places every row; add S / cp = {s // cp} (always fits).")
+  return best[:3]
+
+
+def placement_violations(permuted_segment_ids, cp_size: int, placement: DocumentPlacement) -> list[str]:
+  """What makes a permuted layout unfit for `placement` (empty when it is fit): a segment id in
+  the local region of two ranks, or in a local region and the shared region. Numpy; for tests
+  and for checking a data pipeline."""
+  seg = np.asarray(permuted_segment_ids)
+  cp = _check_cp(cp_size)
+  s = seg.shape[-1]
+  capacity = placement.local_tokens(s, cp)
+  problems = []
+  for b, row in enumerate(seg.reshape(-1, s)):
+    shards = row.reshape(cp, s // cp)
+    owner = {}
+    shared = set(np.unique(shards[:, capacity:])) - {0}
+    for r in range(cp):
+      for sid in set(np.unique(shards[r, :capacity])) - {0}:
+        if sid in shared:
+          problems.append(f"row {b}: segment {sid} is local on rank {r} and in the shared region")
+        elif owner.setdefault(sid, r) != r:
+          problems.append(f"row {b}: segment {sid} is local on ranks {owner[sid]} and {r}")
+  return problems

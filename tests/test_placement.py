@@ -1,0 +1,292 @@
+"""Document placement (context_parallel=DocumentPlacement): the layout's invariants, values and
+gradients equal to the unsharded call on 8 host devices (jit partitioning with cp, dp x cp and
+tp x cp meshes, shard_map, every mask, GQA), and a compiled HLO that gathers only the shared
+region and never Q."""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxcp
+from jaxcp._src.attention.placement import place_rows, placement_violations, shared_sizes
+from jaxcp._src.compat import shard_map
+from jaxcp._src.masks import positions_from_segments
+
+from .helpers import allowed_pairs, rel_err, rows_close
+from .strategies import packed_row
+
+B, S, HQ, HKV, D = 2, 64, 4, 2, 8
+MASKS = {
+    "causal": dict(is_causal=True),
+    "full": dict(),
+    "window": dict(is_causal=True, local_window_size=(9, 0)),
+    "chunk": dict(is_causal=True, chunk_size=12),
+}
+
+
+def _rows():
+  """Row 0: short documents and a tail of padding; row 1: one document longer than a shard."""
+  seg = np.zeros((B, S), np.int32)
+  seg[0, :56] = np.repeat(np.arange(1, 9), [3, 5, 13, 2, 9, 11, 7, 6])
+  seg[1, :40] = 1
+  seg[1, 44:52] = 2
+  return seg
+
+
+def _qkv(seed, hq=HQ, hkv=HKV):
+  rng = np.random.default_rng(seed)
+  shapes = [(B, S, hq, D), (B, S, hkv, D), (B, S, hkv, D), (B, S, hq, D)]
+  return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+
+
+def _fwd_bwd(strategy, mask, axis=None, implementation=None):
+  def run(q, k, v, dout, seg, pos):
+    f = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, context_parallel=strategy,
+                                        context_parallel_axis=axis, implementation=implementation, **mask)
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out, *vjp(dout))
+  return run
+
+
+def _placed(cp, sizes, seed=0, hq=HQ, hkv=HKV):
+  """Inputs laid out by choose_placement (positions derived before permuting)."""
+  seg = _rows()
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
+  placement, perm, _ = jaxcp.choose_placement(seg, cp, sizes=sizes)
+  arrays = [*_qkv(seed, hq, hkv), seg, pos]
+  return placement, [jaxcp.load_balance(jnp.asarray(x), cp, strategy=perm) for x in arrays]
+
+
+def _check(got, want, tol=1e-5):
+  for g, w in zip(got, want):
+    assert rel_err(g, w) < tol
+
+
+def _mesh(dp, tp, cp):
+  return jax.sharding.Mesh(np.array(jax.devices("cpu")[:dp * tp * cp]).reshape(dp, tp, cp), ("dp", "tp", "cp"))
+
+
+# ---------------------------------------------------------------- the layout
+
+
+@st.composite
+def placed_rows(draw):
+  """Rows of documents short and long (some longer than a shard), reused ids, padding anywhere,
+  all-padding rows and one-document rows; cp and a shared size."""
+  cp = draw(st.sampled_from([2, 4, 8]))
+  s = draw(st.sampled_from([64, 128]))
+  kind = draw(st.sampled_from(["packed", "packed", "one_document", "padding"]))
+  rows = []
+  for _ in range(2):
+    if kind == "one_document":
+      n = draw(st.integers(1, s))
+      seg = np.zeros(s, np.int32)
+      seg[:n] = 1
+    elif kind == "padding":
+      seg = np.zeros(s, np.int32)
+    else:
+      seg = draw(packed_row(s, {"short": (1, 6), "medium": (7, 20), "long": (21, s), "padding": (1, 12)}))[0]
+    rows.append(seg)
+  r = draw(st.sampled_from(shared_sizes(s, cp, (0, 1 / 8, 1 / 4, 1 / 2, 1))))
+  return np.stack(rows), cp, r
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=placed_rows())
+def test_layout_invariants(case):
+  seg, cp, r = case
+  s = seg.shape[1]
+  placement = jaxcp.DocumentPlacement(r)
+  try:
+    perm = jaxcp.load_balance_permutation(seg, cp, strategy=placement)
+  except ValueError as e:
+    assert "do not fit" in str(e)
+    # It did not fit: evicting what finds no room always places the rest.
+    perm, _, evicted = place_rows(seg, cp, placement, evict=True)
+    seg = np.where(evicted, 0, seg)
+  assert perm.dtype == np.int32 and perm.shape == seg.shape
+  for row in perm:
+    np.testing.assert_array_equal(np.sort(row), np.arange(s))
+  placed = np.take_along_axis(seg, perm, 1)
+  assert placement_violations(placed, cp, placement) == []
+  np.testing.assert_array_equal(jaxcp.restore_order(placed, cp, strategy=perm), seg)
+  # Every segment's tokens are all in one rank's local region or all in the shared region.
+  shards = placed.reshape(seg.shape[0], cp, s // cp)
+  local = shards[:, :, :s // cp - r]
+  for b in range(seg.shape[0]):
+    for sid in np.unique(seg[b][seg[b] != 0]):
+      n_local = (local[b] == sid).sum(axis=1)
+      assert n_local.sum() in (0, (seg[b] == sid).sum())
+      assert (n_local > 0).sum() <= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=placed_rows())
+def test_choose_placement_always_places(case):
+  seg, cp, _ = case
+  placement, perm, imbalance = jaxcp.choose_placement(seg, cp)
+  assert placement.shared_tokens in shared_sizes(seg.shape[1], cp)
+  assert placement_violations(np.take_along_axis(seg, perm, 1), cp, placement) == []
+  assert imbalance.shape == (seg.shape[0],) and np.all(imbalance >= 1.0 - 1e-9)
+
+
+def test_overflowing_rows_take_a_larger_shared_region():
+  """A document longer than a local region must be shared; R too small for it raises, and
+  choose_placement moves on to a size that fits."""
+  cp = 4
+  seg = np.zeros((1, 64), np.int32)
+  seg[0, :30] = 1
+  seg[0, 30:36] = 2
+  with pytest.raises(ValueError, match="do not fit"):
+    jaxcp.load_balance_permutation(seg, cp, strategy=jaxcp.DocumentPlacement(4))
+  # (a tolerance that takes any balance: the smallest size that fits wins)
+  placement, perm, _ = jaxcp.choose_placement(seg, cp, sizes=(0, 4, 8, 16), tolerance=10.0)
+  assert placement.shared_tokens == 8   # document 1 shared: cp * R >= 30
+  assert placement_violations(np.take_along_axis(seg, perm, 1), cp, placement) == []
+
+
+def test_traced_permutation_equals_numpy():
+  seg = _rows()
+  placement, want, _ = jaxcp.choose_placement(seg, 4, sizes=(0, 8, 12, 16))
+  got = jax.jit(lambda s: jaxcp.load_balance_permutation(s, 4, strategy=placement))(jnp.asarray(seg))
+  np.testing.assert_array_equal(np.asarray(got), want)
+  batched = jax.vmap(lambda s: jaxcp.load_balance_permutation(s, 4, strategy=placement))(jnp.asarray(seg))
+  np.testing.assert_array_equal(np.asarray(batched), want)
+
+
+def test_traced_permutation_raises_at_run_time_when_a_row_does_not_fit():
+  seg = jnp.asarray(_rows())
+  f = jax.jit(lambda s: jaxcp.load_balance_permutation(s, 4, strategy=jaxcp.DocumentPlacement(0)))
+  with pytest.raises(Exception, match="do not fit"):
+    jax.block_until_ready(f(seg))
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="shared_tokens"):
+    jaxcp.DocumentPlacement(-1)
+  with pytest.raises(ValueError, match="pair_cost"):
+    jaxcp.DocumentPlacement(4, pair_cost=-1.0)
+  with pytest.raises(ValueError, match="multiple of cp_size"):
+    jaxcp.load_balance_permutation(np.ones((1, 30), np.int32), 4, strategy=jaxcp.DocumentPlacement(0))
+  with pytest.raises(ValueError, match="does not fit a shard"):
+    jaxcp.load_balance_permutation(np.ones((1, 32), np.int32), 4, strategy=jaxcp.DocumentPlacement(9))
+  with pytest.raises(ValueError, match="context_parallel must be"):
+    q = jnp.zeros((1, 8, 2, 4))
+    jaxcp.attention(q, q, q, context_parallel="placement")
+
+
+# ---------------------------------------------------------------- attention on a placed layout
+
+
+JIT_CASES = [((1, 1, 4), m) for m in MASKS] + [((1, 1, 8), "causal"), ((1, 1, 2), "chunk"),
+                                               ((2, 1, 4), "causal"), ((2, 2, 2), "window")]
+
+
+@pytest.mark.parametrize("mesh_shape,mask_name", JIT_CASES, ids=["x".join(map(str, m)) + "-" + n for m, n in JIT_CASES])
+def test_jit_placement_matches_unsharded(cpu_devices, mesh_shape, mask_name):
+  dp, tp, cp = mesh_shape
+  placement, arrays = _placed(cp, sizes=shared_sizes(S, cp, (0, 1 / 4, 1 / 2, 1)))
+  mesh = _mesh(dp, tp, cp)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  f = jax.jit(_fwd_bwd(placement, MASKS[mask_name]))
+  text = f.lower(*args).compile().as_text()
+  r = placement.shared_tokens
+  # Only the shared region is gathered (the gathered sequence is cp * R, never all of S) and only
+  # K, V and the key tokens' arrays: Q ([*, *, local Hq, D]) never.
+  gathered = [[int(x) for x in shape.split(",")]
+              for shape in re.findall(r"= [fs]32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
+  assert ("all-gather" in text) == (r > 0) and "collective-permute" not in text
+  assert all(dims[1] == cp * r for dims in gathered)
+  assert all(len(dims) != 4 or dims[2] == HKV // tp for dims in gathered)
+  scattered = re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} reduce-scatter\(", text)
+  assert all(int(shape.split(",")[1]) == r for shape in scattered)
+  _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS[mask_name], implementation="xla"))(*arrays))
+
+
+def test_placement_with_gqa_heads_sharded(cpu_devices):
+  """GQA 8 / 2 with the heads over tp = 2 and the sequence over cp = 4."""
+  placement, arrays = _placed(4, sizes=(0, 8, 16), hq=8, hkv=2)
+  mesh = _mesh(1, 2, 4)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  got = jax.jit(_fwd_bwd(placement, MASKS["causal"]))(*args)
+  _check(got, jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
+
+
+@pytest.mark.parametrize("shared", [0, 8, 16])
+def test_shard_map_placement(cpu_devices, shared):
+  """Inside shard_map with context_parallel_axis: every shared size, 0 (no exchange at all) to the
+  whole shard."""
+  seg = _rows()
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
+  placement = jaxcp.DocumentPlacement(shared)
+  perm, _, evicted = place_rows(seg, 4, placement, evict=True)
+  seg, pos = np.where(evicted, 0, seg), np.where(evicted, 0, pos)
+  arrays = [jaxcp.load_balance(jnp.asarray(x), 4, strategy=perm) for x in (*_qkv(3), seg, pos)]
+  mesh = _mesh(2, 1, 4)
+  s4, s2 = P("dp", "cp", "tp", None), P("dp", "cp")
+  body = _fwd_bwd(placement, MASKS["causal"], axis="cp")
+  f = jax.jit(shard_map(body, mesh=mesh, in_specs=(s4, s4, s4, s4, s2, s2), out_specs=(s4, s4, s4, s4)))
+  text = f.lower(*arrays).compile().as_text()
+  assert ("all-gather" in text) == (shared > 0)
+  _check(f(*arrays), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
+
+
+def test_placement_needs_self_attention(cpu_devices):
+  mesh = _mesh(1, 1, 4)
+  q = jax.device_put(jnp.zeros((1, 64, 2, 8)), NamedSharding(mesh, P(None, "cp")))
+  k = jax.device_put(jnp.zeros((1, 32, 2, 8)), NamedSharding(mesh, P(None, "cp")))
+  seg_q = jax.device_put(jnp.ones((1, 64), jnp.int32), NamedSharding(mesh, P(None, "cp")))
+  seg_k = jax.device_put(jnp.ones((1, 32), jnp.int32), NamedSharding(mesh, P(None, "cp")))
+  f = jax.jit(lambda q, k, a, b: jaxcp.attention(q, k, k, segment_ids=a, kv_segment_ids=b,
+                                                 context_parallel=jaxcp.DocumentPlacement(4)))
+  with pytest.raises(ValueError, match="self attention"):
+    f.lower(q, k, seg_q, seg_k)
+
+
+# ---------------------------------------------------------------- random rows
+
+
+@functools.lru_cache(maxsize=None)
+def _runner(strategy, mask_name):
+  f = _fwd_bwd("auto" if strategy is None else strategy, MASKS[mask_name],
+               implementation="xla" if strategy is None else None)
+  return jax.jit(f)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(case=placed_rows(), mask_name=st.sampled_from(list(MASKS)))
+def test_random_rows_match_unsharded(cpu_devices, case, mask_name):
+  """Random mixes, placed with choose_placement at any cp (rows that overflow a small R take a
+  larger one); values and gradients row by row, exactly zero where no pair is allowed."""
+  seg, cp, _ = case
+  s = seg.shape[1]
+  pos = np.zeros_like(seg)
+  for b in range(seg.shape[0]):
+    for sid in np.unique(seg[b]):
+      at = seg[b] == sid
+      pos[b, at] = np.arange(at.sum())
+  placement, perm, _ = jaxcp.choose_placement(seg, cp, sizes=shared_sizes(s, cp, (0, 1 / 4, 1)))
+  rng = np.random.default_rng(0)
+  shapes = [(2, s, HQ, D), (2, s, HKV, D), (2, s, HKV, D), (2, s, HQ, D)]
+  arrays = [jnp.asarray(rng.standard_normal(x), jnp.float32) for x in shapes] + [seg, pos]
+  arrays = [jaxcp.load_balance(jnp.asarray(x), cp, strategy=perm) for x in arrays]
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:cp]), ("cp",))
+  s4, s2 = NamedSharding(mesh, P(None, "cp")), NamedSharding(mesh, P(None, "cp"))
+  args = [jax.device_put(x, sh) for x, sh in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  got = _runner(placement, mask_name)(*args)
+  want = _runner(None, mask_name)(*arrays)
+  mask = MASKS[mask_name]
+  pairs = allowed_pairs(arrays[4], arrays[5], arrays[4], arrays[5], causal=mask.get("is_causal", False),
+                        window=mask.get("local_window_size"), chunk=mask.get("chunk_size"))
+  q_dead = np.repeat(~pairs.any(2), HQ, axis=1)
+  kv_dead = np.repeat(~pairs.any(1), HKV, axis=1)
+  for name, g, r, dead in zip(["out", "dq", "dk", "dv"], got, want, [q_dead, q_dead, kv_dead, kv_dead]):
+    rows_close(g, r, 1e-4, name, floor=1.0, zero_rows=dead)
