@@ -1,18 +1,31 @@
-"""Context-parallel scaling: the same global problem on 1, 2 and 4 GPUs.
+"""Context-parallel scaling: the same global problem on 1, 2 and 4 GPUs, every strategy in one run.
 
-B = 1, causal packed documents, 32 query / 8 kv heads, D = 128, forward+backward, bf16.
-Reports CP efficiency T1 / (N * TN) for "all_gather" and "ring", with and without striped load
-balancing; the compute-bound time of the slowest rank (its local kernels timed alone on one GPU)
-gives the share of exposed communication (TN - Tcompute) / TN. Also checks every sharded result
-against the one-GPU result, and whether the compiled ring schedule overlaps each
-collective-permute with a kernel (a custom-call between its start and done).
+B = 1 row of S tokens, causal, D = 128, bf16, forward+backward. Rows: lognormal document lengths
+(sigma 1) with means 2k, 8k and 32k, or one document of S tokens, packed full; then what a
+DocumentPlacement over the largest GPU count leaves out becomes padding (an input pipeline packs
+those documents into later rows; the share is reported), and that row is the problem for every
+GPU count and strategy.
 
-  python benchmarks/bench_cp.py                      # 128k and 256k, mean docs 8k and 32k
-  python benchmarks/bench_cp.py --seq 262144 --docs 32768
+Strategies: "placement" (jaxcp.choose_placement per GPU count, context_parallel=placement),
+"all_gather" on balanced_blocks rows and "ring" on striped rows (the best of the others).
+Reported per case:
+  efficiency     T1 / (N * TN), T1 the one-GPU time of the same row;
+  exposed comm   (TN - Tcompute) / TN, Tcompute the slowest rank's kernels timed alone on one
+                 GPU (its queries against the keys it attends to, all local);
+  MB/rank        bytes a rank receives per forward+backward (K and V in bf16, segment ids and
+                 positions, float32 dK/dV in the backward's reduce-scatter or ring);
+  R              the placement's shared tokens per rank (of S / N);
+  max rel err    against the one-GPU outputs and gradients;
+  overlap        the compiled schedule has a jaxcp kernel inside an all-gather-start/done
+                 (placement) or collective-permute-start/done (ring) window.
+
+  python benchmarks/bench_cp.py                                   # everything (two device calls' worth)
+  python benchmarks/bench_cp.py --seq 131072 --mixes doc8k --heads 32 8
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -22,13 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import doc_mixes  # noqa: E402
 
 import jaxcp  # noqa: E402
-from jaxcp import apply_permutation, load_balance, load_balance_permutation  # noqa: E402
 
-HQ, HKV, D = 32, 8, 128
+D = 128
+STRATEGIES = {"placement": "placement", "all_gather": "balanced_blocks", "ring": "striped"}
 
 
 def _fwd_bwd(strategy):
@@ -36,128 +50,183 @@ def _fwd_bwd(strategy):
     g = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=True,
                                         context_parallel=strategy)
     out, vjp = jax.vjp(g, q, k, v)
-    return out, vjp(do)
+    return (out, *vjp(do))
   return f
 
 
-def _overlap_evidence(hlo: str) -> bool:
-  """True if some collective-permute-start .. -done window contains a custom-call (a kernel)."""
+def _local_fwd_bwd(q, k, v, do, qs, qp, ks, kp):
+  g = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=qs, positions=qp, kv_segment_ids=ks, kv_positions=kp,
+                                      is_causal=True)
+  out, vjp = jax.vjp(g, q, k, v)
+  return (out, *vjp(do))
+
+
+_local = jax.jit(_local_fwd_bwd)
+
+
+def overlap_evidence(hlo: str, op: str) -> bool:
+  """True if some `op`-start .. `op`-done window of the compiled schedule holds a jaxcp kernel."""
   lines = hlo.splitlines()
   starts = {}
   for i, line in enumerate(lines):
-    m = re.search(r"(%?[\w.\-]+) = .*collective-permute-start", line)
+    m = re.search(rf"(%?[\w.\-]+) = .*{op}-start", line)
     if m:
       starts[m.group(1).lstrip("%")] = i
-    m = re.search(r"collective-permute-done\((%?[\w.\-]+)", line)
+    m = re.search(rf"{op}-done\((%?[\w.\-]+)", line)
     if m and m.group(1).lstrip("%") in starts:
       window = lines[starts[m.group(1).lstrip("%")]:i]
-      if any("custom-call" in w and "jaxcp" in w for w in window):
+      if any("custom-call" in w and "jaxcp_attention" in w for w in window):
         return True
   return False
 
 
-def _rank_local_fwd_bwd(qa, k, v, doa, sq, pq, sk, pk):
-  return jax.vjp(lambda qa, k, v: jaxcp.attention(qa, k, v, segment_ids=sq, positions=pq, kv_segment_ids=sk,
-                                                  kv_positions=pk, is_causal=True), qa, k, v)[1](doa)
+def bytes_per_rank(strategy, n, s, hkv, shared=0):
+  """Bytes one rank receives per forward+backward (see the module doc)."""
+  kv_token = 2 * hkv * D * 2 + 8          # K and V in bf16, segment id and position
+  grad_token = 2 * hkv * D * 4            # dK and dV in float32
+  if strategy == "placement":
+    return (n - 1) * shared * (2 * kv_token + grad_token)
+  if strategy == "ring":
+    return (n - 1) * (s // n) * 2 * kv_token + n * (s // n) * grad_token
+  return (n - 1) * (s // n) * (2 * kv_token + grad_token)
 
 
-_rank_local = jax.jit(_rank_local_fwd_bwd)
-
-
-def _rank_compute_time(q, k, v, do, seg, pos, cp):
-  """Slowest rank's kernel time with all K/V local: the work a rank does, without communication."""
+def rank_compute_time(strategy, arrays, n, shared, reps):
+  """The slowest rank's own kernels timed alone on one GPU (what it computes, no communication)."""
   dev = jax.devices()[0]
-  s = q.shape[1] // cp
+  q, k, v, do, seg, pos = arrays
+  shard = q.shape[1] // n
   times = []
-  for r in range(cp):
-    sl = slice(r * s, (r + 1) * s)
-    args = [jax.device_put(x, dev) for x in (q[:, sl], k, v, do[:, sl], seg[:, sl], pos[:, sl], seg, pos)]
-    times.append(common.time_fn(_rank_local, *args, warmup=1, reps=2))
+  for r in range(n):
+    mine = slice(r * shard, (r + 1) * shard)
+    if strategy == "placement":
+      c = shard - shared
+      parts = []
+      if c:
+        lo = slice(r * shard, r * shard + c)
+        parts.append((lo, lo))
+      if shared:
+        keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(n)])
+        parts.append((slice(r * shard + c, (r + 1) * shard), keys))
+    else:
+      parts = [(mine, slice(None))]
+    total = 0.0
+    for qi, ki in parts:
+      args = [jax.device_put(x, dev) for x in (q[:, qi], k[:, ki], v[:, ki], do[:, qi], seg[:, qi], pos[:, qi],
+                                                seg[:, ki], pos[:, ki])]
+      total += common.time_fn(_local, *args, warmup=1, reps=reps)
+    times.append(total)
   return max(times)
 
 
-def _balancer(balance, n, seg):
-  """Token permutation for a balance strategy (applied to every per-token array)."""
-  if balance == "none":
-    return lambda x: x
-  if balance in ("striped", "zigzag"):
-    return lambda x: load_balance(x, n, axis=1, strategy=balance)
-  perm = load_balance_permutation(seg, n, strategy=balance)
-  return lambda x: apply_permutation(x, perm, axis=1)
+def rel_err(a, b):
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def run(seq_len, mean_doc, n_list, reps, balances=("none", "striped")):
-  rng = np.random.default_rng(0)
-  rows = common.packed_rows(rng, 1, seq_len, mean_doc)
-  seg, pos = common.segments_and_positions(rows, seq_len)
-  pairs = common.allowed_pairs(rows, causal=True)
-  flops = 3.5 * 4 * D * HQ * pairs
-  key = jax.random.PRNGKey(0)
-  q = jax.random.normal(key, (1, seq_len, HQ, D), jnp.bfloat16)
-  k = jax.random.normal(jax.random.fold_in(key, 1), (1, seq_len, HKV, D), jnp.bfloat16)
-  v = jax.random.normal(jax.random.fold_in(key, 2), (1, seq_len, HKV, D), jnp.bfloat16)
-  do = jax.random.normal(jax.random.fold_in(key, 3), (1, seq_len, HQ, D), jnp.bfloat16)
+def run_case(seq_len, mix, heads, gpu_counts, reps, cost, seed=0):
+  hq, hkv = heads
+  rng = np.random.default_rng(seed)
+  seg = doc_mixes.packed_row(rng, seq_len, mix)[None]
+  seg, left_out = doc_mixes.placeable(seg, max(gpu_counts), **cost)
+  pos = doc_mixes.positions(seg)
+  flops = 3.5 * 4 * D * hq * doc_mixes.allowed_causal_pairs(seg)
+  key = jax.random.PRNGKey(seed)
+  shapes = [(1, seq_len, hq, D), (1, seq_len, hkv, D), (1, seq_len, hkv, D), (1, seq_len, hq, D)]
+  q, k, v, do = (jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) for i, s in enumerate(shapes))
   seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+  base = dict(seq=seq_len, mix=mix, heads=f"{hq}/{hkv}", left_out=left_out,
+              docs=int(len(np.unique(np.asarray(seg)[np.asarray(seg) != 0]))))
 
-  one = jax.jit(_fwd_bwd("all_gather"))
+  one = jax.jit(_fwd_bwd("auto"))
   t1 = common.time_fn(one, q, k, v, do, seg, pos, warmup=1, reps=reps)
-  ref_out, ref_grads = one(q, k, v, do, seg, pos)
-  out_rows = [dict(seq=seq_len, mean_doc=mean_doc, docs=len(rows[0]), gpus=1, strategy="-", balance="-",
-                   ms=t1 * 1e3, tflops=flops / t1 / 1e12, efficiency=1.0)]
-  print(f"S={seq_len} doc={mean_doc}: 1 GPU {t1 * 1e3:.1f} ms ({flops / t1 / 1e12:.0f} TFLOP/s)", flush=True)
-  for n in n_list:
+  ref = one(q, k, v, do, seg, pos)
+  rows = [dict(base, gpus=1, strategy="-", ms=t1 * 1e3, tflops=flops / t1 / 1e12, efficiency=1.0)]
+  print(f"S={seq_len} {mix} {hq}/{hkv}: 1 GPU {t1 * 1e3:.1f} ms ({flops / t1 / 1e12:.0f} TFLOP/s), "
+        f"{base['docs']} documents, {left_out:.2%} left out", flush=True)
+  for n in gpu_counts:
     if n > len(jax.devices()):
       continue
     mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
-    s4, s2 = NamedSharding(mesh, P(None, "cp", None, None)), NamedSharding(mesh, P(None, "cp"))
-    for balance in balances:
-      perm = _balancer(balance, n, seg)
-      host = [perm(x) for x in (q, k, v, do, seg, pos)]
-      args = [jax.device_put(x, s) for x, s in zip(host, (s4, s4, s4, s4, s2, s2))]
-      t_comp = _rank_compute_time(*host, n)
-      for strategy in ("all_gather", "ring"):
-        f = jax.jit(_fwd_bwd(strategy))
-        hlo = f.lower(*args).compile().as_text()
-        t = common.time_fn(f, *args, warmup=1, reps=reps)
-        out, grads = f(*args)
-        err = max(float(common_rel(perm(a), b)) for a, b in zip((ref_out,) + tuple(ref_grads), (out,) + tuple(grads)))
-        row = dict(seq=seq_len, mean_doc=mean_doc, docs=len(rows[0]), gpus=n, strategy=strategy, balance=balance,
-                   ms=t * 1e3, tflops=flops / t / 1e12, efficiency=t1 / (n * t), compute_ms=t_comp * 1e3,
-                   exposed_comm=max(0.0, (t - t_comp) / t), max_rel_err=err,
-                   overlap=_overlap_evidence(hlo) if strategy == "ring" else None)
-        out_rows.append(row)
-        print(f"  {n} GPUs {strategy:10s} {balance:7s}: {t * 1e3:.1f} ms, eff {row['efficiency']:.2f}, "
-              f"exposed comm {row['exposed_comm']:.2f}, err {err:.1e}, overlap {row['overlap']}", flush=True)
-  return out_rows
+    sh = NamedSharding(mesh, P(None, "cp"))
+    for strategy, balance in STRATEGIES.items():
+      shared = 0
+      if strategy == "placement":
+        placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, **cost)
+        context_parallel, shared = placement, placement.shared_tokens
+      else:
+        context_parallel = strategy
+        perm = (jaxcp.load_balance_permutation(np.asarray(seg), n, strategy=balance) if balance != "striped"
+                else balance)
+      permute = lambda x: jaxcp.load_balance(x, n, axis=1, strategy=perm)
+      host = [permute(x) for x in (q, k, v, do, seg, pos)]
+      args = [jax.device_put(x, sh) for x in host]
+      f = jax.jit(_fwd_bwd(context_parallel))
+      hlo = f.lower(*args).compile().as_text()
+      t = common.time_fn(f, *args, warmup=1, reps=reps)
+      got = f(*args)
+      err = max(rel_err(jaxcp.restore_order(a, n, axis=1, strategy=perm), b) for a, b in zip(got, ref))
+      t_comp = rank_compute_time(strategy, host, n, shared, max(2, reps // 2))
+      op = {"placement": "all-gather", "ring": "collective-permute"}.get(strategy)
+      row = dict(base, gpus=n, strategy=strategy, balance=balance, shared_tokens=shared, ms=t * 1e3,
+                 tflops=flops / t / 1e12, efficiency=t1 / (n * t), compute_ms=t_comp * 1e3,
+                 exposed_comm=max(0.0, (t - t_comp) / t), max_rel_err=err,
+                 mb_per_rank=bytes_per_rank(strategy, n, seq_len, hkv, shared) / 1e6,
+                 overlap=overlap_evidence(hlo, op) if op and (strategy != "placement" or shared) else None)
+      rows.append(row)
+      print(f"  {n} GPUs {strategy:10s} {balance:15s} R={shared:6d}: {t * 1e3:7.1f} ms, eff {row['efficiency']:.3f}, "
+            f"exposed {row['exposed_comm']:.3f}, {row['mb_per_rank']:.0f} MB/rank, err {err:.1e}, "
+            f"overlap {row['overlap']}", flush=True)
+  return rows
 
 
-def common_rel(a, b):
-  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+def table(rows) -> str:
+  header = ["S", "mix", "heads", "GPUs", "strategy", "R", "ms", "TFLOP/s", "CP efficiency", "exposed comm",
+            "MB/rank", "max rel err", "overlap", "left out"]
+  out = []
+  for r in rows:
+    out.append([f"{r['seq'] // 1024}k", r["mix"], r["heads"], r["gpus"],
+                r["strategy"] if r["gpus"] == 1 else f"{r['strategy']} ({r['balance']})",
+                r.get("shared_tokens", "-") if r["strategy"] == "placement" else "-",
+                f"{r['ms']:.1f}", f"{r['tflops']:.0f}", f"{r['efficiency']:.3f}",
+                f"{r.get('exposed_comm', 0):.3f}", f"{r.get('mb_per_rank', 0):.0f}",
+                f"{r.get('max_rel_err', 0):.1e}", r.get("overlap", "-"), f"{r['left_out']:.2%}"])
+  return common.markdown_table(header, out)
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--seq", type=int, nargs="+", default=[131072, 262144])
-  ap.add_argument("--docs", type=int, nargs="+", default=[8192, 32768])
+  ap.add_argument("--mixes", nargs="+", default=list(doc_mixes.MIXES), choices=list(doc_mixes.MIXES))
+  ap.add_argument("--heads", type=int, nargs="+", default=[32, 8, 16, 16],
+                  help="pairs of query / key-value heads (default 32 8 16 16)")
   ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
   ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--balance", nargs="+", default=["none", "striped", "balanced_blocks"],
-                  help="none, striped, zigzag, zigzag_docs, balanced_blocks")
+  ap.add_argument("--calibration", default=None,
+                  help="placement_calibration.json from calibrate_placement.py (default: the built-in costs)")
+  ap.add_argument("--append", action="store_true", help="add to the rows of an earlier run in --out")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
+  heads = list(zip(args.heads[::2], args.heads[1::2]))
+  cost = {}
+  if args.calibration:
+    with open(args.calibration) as f:
+      cal = json.load(f)
+    cost = dict(token_cost=cal["token_cost"], pair_cost=cal["pair_cost"])
+  out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   rows = []
+  path = os.path.join(out_dir, "cp.json")
+  if args.append and os.path.exists(path):
+    with open(path) as f:
+      rows = json.load(f)["rows"]
   for s in args.seq:
-    for d in args.docs:
-      rows += run(s, d, args.gpus, args.reps, args.balance)
+    for mix in args.mixes:
+      for h in heads:
+        rows += run_case(s, mix, h, args.gpus, args.reps, cost)
   meta = common.run_metadata()
-  header = ["S", "mean doc", "GPUs", "strategy", "balance", "ms", "TFLOP/s", "CP efficiency", "exposed comm", "max rel err", "overlap"]
-  table = [[r["seq"], r["mean_doc"], r["gpus"], r["strategy"], r["balance"], f"{r['ms']:.1f}", f"{r['tflops']:.0f}",
-            f"{r['efficiency']:.2f}", f"{r.get('exposed_comm', 0):.2f}", f"{r.get('max_rel_err', 0):.1e}",
-            r.get("overlap", "-")] for r in rows]
-  md = f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; 32/8 heads, D=128, causal, fwd+bwd, bf16.\n\n"
-  md += common.markdown_table(header, table)
-  common.write_results("cp", dict(meta=meta, rows=rows), md, args.out)
+  md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; B=1, D=128, causal, forward+backward, bf16; "
+        f"placement cost {cost or 'built-in'}.\n\n" + table(rows))
+  common.write_results("cp", dict(meta=meta, cost=cost, rows=rows), md, out_dir)
   print(md)
 
 

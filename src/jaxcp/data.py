@@ -27,12 +27,14 @@ in input order: a row is closed when the next document does not fit; keeps docum
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["PackedBatch", "pack_documents", "iter_packed_batches", "PACKING_STRATEGIES"]
+__all__ = ["PackedBatch", "PlacedBatch", "pack_documents", "iter_packed_batches", "iter_placed_batches",
+           "place_packed", "PACKING_STRATEGIES"]
 
 PACKING_STRATEGIES = ("best_fit", "greedy")
 
@@ -214,6 +216,91 @@ def pack_documents(documents: Sequence, seq_len: int, *, strategy: str = "best_f
   return _build(rows, seq_len, int(pad_id), max_docs_per_row)
 
 
+class _PieceStream:
+  """The pieces of a stream of documents (see _split), which takes pieces back: those come out
+  again first (a placed batch returns the documents it left out)."""
+
+  def __init__(self, documents: Iterable, seq_len: int):
+    self._pieces = (p for i, d in enumerate(documents) for p in _split(i, _as_document(d, i), seq_len))
+    self._back: collections.deque[_Piece] = collections.deque()
+
+  def push_back(self, pieces: Sequence[_Piece]) -> None:
+    self._back.extendleft(reversed(list(pieces)))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> _Piece:
+    if self._back:
+      return self._back.popleft()
+    return next(self._pieces)
+
+
+def _check_batch_args(seq_len, batch_size, strategy, max_docs_per_row, pad_id, buffer_rows):
+  _check_args(seq_len, strategy, max_docs_per_row, pad_id)
+  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
+  if buffer_rows is None:
+    buffer_rows = 4 * batch_size
+  if isinstance(buffer_rows, bool) or not isinstance(buffer_rows, (int, np.integer)) or buffer_rows < 1:
+    raise ValueError(f"buffer_rows must be None or an int >= 1, got {buffer_rows!r}.")
+  return int(seq_len), int(batch_size), int(pad_id), max(int(buffer_rows), int(batch_size))
+
+
+def _row_batches(stream: _PieceStream, seq_len: int, batch_size: int, strategy: str,
+                 max_docs: int | None, buffer_rows: int, drop_remainder: bool):
+  """Yields lists of up to batch_size rows (lists of pieces), pulling pieces from the stream only
+  as it needs them, so that pieces pushed back between batches go into the next one."""
+  if strategy == "greedy":
+    while True:
+      rows = []
+      # Next fit, a batch at a time: the row in progress when the batch fills stays open.
+      row, used = [], 0
+      for piece in stream:
+        n = len(piece[2])
+        if row and (used + n > seq_len or (max_docs is not None and len(row) >= max_docs)):
+          rows.append(row)
+          row, used = [], 0
+          if len(rows) == batch_size:
+            stream.push_back([piece])
+            break
+        row.append(piece)
+        used += n
+      else:
+        if row:
+          rows.append(row)
+        if rows and (len(rows) == batch_size or not drop_remainder):
+          yield rows
+        return
+      yield rows
+
+  buffer: list[_Piece] = []
+  tokens = 0
+  exhausted = False
+  while True:
+    while tokens < buffer_rows * seq_len:
+      piece = next(stream, None)
+      if piece is None:
+        exhausted = True
+        break
+      buffer.append(piece)
+      tokens += len(piece[2])
+    rows = _best_fit_decreasing(buffer, seq_len, max_docs)
+    if not exhausted:
+      # Keep the emptiest rows' documents for the next round: they pack better with new ones.
+      rows.sort(key=lambda r: -sum(len(p[2]) for p in r))
+      n_out = (len(rows) // batch_size) * batch_size
+      rows, kept = rows[:n_out], rows[n_out:]
+      buffer = sorted((p for r in kept for p in r), key=lambda p: (p[0], p[1]))
+      tokens = sum(len(p[2]) for p in buffer)
+    for k in range(0, len(rows), batch_size):
+      chunk = rows[k:k + batch_size]
+      if len(chunk) == batch_size or not drop_remainder:
+        yield chunk
+    if exhausted:
+      return
+
+
 def iter_packed_batches(documents: Iterable, seq_len: int, batch_size: int, *,
                         strategy: str = "greedy", pad_id: int = 0,
                         max_docs_per_row: int | None = None, buffer_rows: int | None = None,
@@ -241,57 +328,102 @@ def iter_packed_batches(documents: Iterable, seq_len: int, batch_size: int, *,
   Yields:
     PackedBatch with ``batch_size`` rows.
   """
-  _check_args(seq_len, strategy, max_docs_per_row, pad_id)
-  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-    raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}.")
-  seq_len, pad_id, batch_size = int(seq_len), int(pad_id), int(batch_size)
-  if buffer_rows is None:
-    buffer_rows = 4 * batch_size
-  if isinstance(buffer_rows, bool) or not isinstance(buffer_rows, (int, np.integer)) or buffer_rows < 1:
-    raise ValueError(f"buffer_rows must be None or an int >= 1, got {buffer_rows!r}.")
-  buffer_rows = max(int(buffer_rows), batch_size)
+  seq_len, batch_size, pad_id, buffer_rows = _check_batch_args(seq_len, batch_size, strategy, max_docs_per_row,
+                                                               pad_id, buffer_rows)
+  stream = _PieceStream(documents, seq_len)
+  for rows in _row_batches(stream, seq_len, batch_size, strategy, max_docs_per_row, buffer_rows, drop_remainder):
+    yield _build(rows, seq_len, pad_id, max_docs_per_row, num_rows=batch_size)
 
-  def pieces_of(stream):
-    for i, d in enumerate(stream):
-      yield from _split(i, _as_document(d, i), seq_len)
 
-  def emit(rows):
-    return _build(rows, seq_len, pad_id, max_docs_per_row, num_rows=batch_size)
+# --------------------------------------------------------------------------------------------
+# context parallelism: placed batches
 
-  if strategy == "greedy":
-    rows = []
-    for row in _next_fit(pieces_of(documents), seq_len, max_docs_per_row):
-      rows.append(row)
-      if len(rows) == batch_size:
-        yield emit(rows)
-        rows = []
-    if rows and not drop_remainder:
-      yield emit(rows)
-    return
 
-  buffer: list[_Piece] = []
-  tokens = 0
-  stream = pieces_of(documents)
-  exhausted = False
-  while True:
-    while tokens < buffer_rows * seq_len:
-      piece = next(stream, None)
-      if piece is None:
-        exhausted = True
-        break
-      buffer.append(piece)
-      tokens += len(piece[2])
-    rows = _best_fit_decreasing(buffer, seq_len, max_docs_per_row)
-    if not exhausted:
-      # Keep the emptiest rows' documents for the next round: they pack better with new ones.
-      rows.sort(key=lambda r: -sum(len(p[2]) for p in r))
-      n_out = (len(rows) // batch_size) * batch_size
-      rows, kept = rows[:n_out], rows[n_out:]
-      buffer = sorted((p for r in kept for p in r), key=lambda p: (p[0], p[1]))
-      tokens = sum(len(p[2]) for p in buffer)
-    for k in range(0, len(rows), batch_size):
-      chunk = rows[k:k + batch_size]
-      if len(chunk) == batch_size or not drop_remainder:
-        yield emit(chunk)
-    if exhausted:
-      return
+@dataclasses.dataclass(frozen=True)
+class PlacedBatch:
+  """A batch laid out for ``jaxcp.attention(..., context_parallel=placement)`` over ``cp`` ranks:
+  every per-token array is already permuted (shard the sequence axis over the CP mesh axis).
+
+  Attributes:
+    tokens, segment_ids, positions, labels, loss_mask: as in :class:`PackedBatch`, permuted;
+      positions were taken before permuting.
+    placement: the ``jaxcp.DocumentPlacement`` chosen for this batch (static: pass it to the
+      jitted step as a static argument; each distinct ``shared_tokens`` compiles once).
+    permutation: int32 [N, S]: ``permuted[..., j] = original[..., permutation[..., j]]``
+      (``jaxcp.restore_order(x, cp, strategy=permutation)`` undoes it).
+    imbalance: float [N]: each row's costliest rank over the mean (1.0 is even).
+    left_out: share of the batch's document tokens that did not fit and were put back into the
+      stream for a later batch (their slots are padding here).
+  """
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+  positions: np.ndarray
+  labels: np.ndarray
+  loss_mask: np.ndarray
+  placement: object
+  permutation: np.ndarray
+  imbalance: np.ndarray
+  left_out: float
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    """The per-token arrays as a dict (field name -> array)."""
+    return {k: getattr(self, k) for k in ("tokens", "segment_ids", "positions", "labels", "loss_mask")}
+
+
+def place_packed(batch: PackedBatch, cp: int, *, sizes=None, pad_id: int = 0, **cost):
+  """Lays one packed batch out for document-placement context parallelism over ``cp`` ranks.
+
+  Chooses the shared size (``jaxcp.choose_placement``'s rule) with what finds no room left out:
+  those documents' tokens become padding. Returns ``(PlacedBatch, evicted)`` with ``evicted`` a
+  bool [N, MAX_DOCS] mask over ``batch.document_ids`` of the segments left out (a stream puts
+  them back; :func:`iter_placed_batches` does)."""
+  from jaxcp._src.attention.placement import choose_with_eviction  # jaxcp.data stays numpy-first
+  placement, perm, imbalance, evicted_tok = choose_with_eviction(batch.segment_ids, cp, sizes, **cost)
+  real = batch.segment_ids != 0
+  left_out = float(evicted_tok.sum()) / max(int(real.sum()), 1)
+  keep = ~evicted_tok
+  arrays = dict(tokens=np.where(keep, batch.tokens, pad_id), segment_ids=np.where(keep, batch.segment_ids, 0),
+                positions=np.where(keep, batch.positions, 0), labels=np.where(keep, batch.labels, pad_id),
+                loss_mask=np.where(keep, batch.loss_mask, 0).astype(np.float32))
+  arrays = {k: np.take_along_axis(v, perm, axis=1) for k, v in arrays.items()}
+  width = batch.document_ids.shape[1]
+  evicted = np.zeros((batch.num_rows, width), bool)
+  rows, cols = np.nonzero(evicted_tok)
+  evicted[rows, batch.segment_ids[rows, cols] - 1] = True
+  placed = PlacedBatch(**arrays, placement=placement, permutation=perm, imbalance=imbalance, left_out=left_out)
+  return placed, evicted
+
+
+def iter_placed_batches(documents: Iterable, seq_len: int, batch_size: int, cp: int, *,
+                        sizes=None, strategy: str = "best_fit", pad_id: int = 0,
+                        buffer_rows: int | None = None, drop_remainder: bool = False,
+                        **cost) -> Iterator[PlacedBatch]:
+  """Packs a stream of documents into batches laid out for document placement over ``cp``
+  context-parallel ranks (see ``jaxcp.DocumentPlacement``).
+
+  Each batch is packed like :func:`iter_packed_batches`, then placed: every document whole on one
+  rank's local region or cut into zigzag pieces in the shared region, whose size (tokens per rank)
+  is chosen per batch from ``sizes`` (default ``jaxcp._src.attention.placement.shared_sizes``; the
+  largest, S / cp, always fits). A document that finds no room goes back to the stream and comes
+  out first in the next batch, so no document is dropped.
+
+  Args:
+    documents, seq_len, batch_size, strategy, pad_id, buffer_rows, drop_remainder: as in
+      :func:`iter_packed_batches` (default strategy "best_fit": fuller rows).
+    cp: context-parallel ranks (the CP mesh axis size); ``seq_len % cp == 0``.
+    sizes: ascending static shared sizes to choose from.
+    **cost: ``token_cost``, ``pair_cost``, ``tolerance`` of the placement (see DocumentPlacement).
+
+  Yields:
+    PlacedBatch with ``batch_size`` rows.
+  """
+  seq_len, batch_size, pad_id, buffer_rows = _check_batch_args(seq_len, batch_size, strategy, None, pad_id,
+                                                               buffer_rows)
+  if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1 or seq_len % cp:
+    raise ValueError(f"cp must be an int >= 1 that divides seq_len ({seq_len}), got {cp!r}.")
+  stream = _PieceStream(documents, seq_len)
+  for rows in _row_batches(stream, seq_len, batch_size, strategy, None, buffer_rows, drop_remainder):
+    batch = _build(rows, seq_len, pad_id, None, num_rows=batch_size)
+    placed, evicted = place_packed(batch, int(cp), sizes=sizes, pad_id=pad_id, **cost)
+    stream.push_back([row[i] for b, row in enumerate(rows) for i in range(len(row)) if evicted[b, i]])
+    yield placed

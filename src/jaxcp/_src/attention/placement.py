@@ -358,6 +358,18 @@ def choose_placement(segment_ids, cp_size: int, sizes=None, *, token_cost: float
   Returns:
     (placement, perm [B, S] int32, imbalance [B]: each row's costliest rank over the mean).
   """
+  placement, perm, imbalance, _ = choose_with_eviction(
+      segment_ids, cp_size, sizes, token_cost=token_cost, pair_cost=pair_cost, tolerance=tolerance, evict=False)
+  return placement, perm, imbalance
+
+
+def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: float = DEFAULT_TOKEN_COST,
+                         pair_cost: float = DEFAULT_PAIR_COST, tolerance: float = DEFAULT_TOLERANCE,
+                         evict: bool = True, max_evicted: float = 0.02):
+  """choose_placement that may leave segments out (evict=True): a local segment that finds no
+  room in its row is marked evicted (an input pipeline packs it into a later row). A size is
+  taken when every row is within `tolerance` of even work and at most `max_evicted` of the
+  batch's tokens are left out. Returns (placement, perm, imbalance, evicted [B, S] bool)."""
   seg = np.asarray(segment_ids)
   cp = _check_cp(cp_size)
   _check_segments(seg, cp)
@@ -369,17 +381,19 @@ def choose_placement(segment_ids, cp_size: int, sizes=None, *, token_cost: float
   for r in sizes:
     placement = DocumentPlacement(r, token_cost, pair_cost, tolerance)
     try:
-      perm, imbalance, _ = place_rows(seg, cp, placement)
+      perm, imbalance, evicted = place_rows(seg, cp, placement, evict)
     except ValueError:
       continue
     worst = float(imbalance.max()) if imbalance.size else 1.0
-    if best is None or worst < best[3] - 1e-12:
-      best = (placement, perm, imbalance, worst)
-    if worst <= 1.0 + tolerance:
+    left_out = float(evicted.sum()) / max(int((seg != 0).sum()), 1)
+    score = worst * (1.0 + left_out)
+    if best is None or score < best[4] - 1e-12:
+      best = (placement, perm, imbalance, evicted, score)
+    if worst <= 1.0 + tolerance and left_out <= max_evicted:
       break
   if best is None:
     raise ValueError(f"no size in {sizes} places every row; add S / cp = {s // cp} (always fits).")
-  return best[:3]
+  return best[:4]
 
 
 def placement_violations(permuted_segment_ids, cp_size: int, placement: DocumentPlacement) -> list[str]:
