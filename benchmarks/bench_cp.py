@@ -9,6 +9,9 @@ collective-permute with a kernel (a custom-call between its start and done).
 
   python benchmarks/bench_cp.py                      # 128k and 256k, mean docs 8k and 32k
   python benchmarks/bench_cp.py --seq 262144 --docs 32768
+
+Writes cp_<kind>x<N>.{json,md} (kind: the device, N: the most GPUs run, e.g. cp_h200x4) to
+--out, $OUT or benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -157,7 +160,8 @@ def main(argv=None):
             r.get("overlap", "-")] for r in rows]
   md = f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; 32/8 heads, D=128, causal, fwd+bwd, bf16.\n\n"
   md += common.markdown_table(header, table)
-  common.write_results("cp", dict(meta=meta, rows=rows), md, args.out)
+  common.write_results(common.result_name("cp", devices=max(args.gpus)), dict(meta=meta, rows=rows), md,
+                       args.out)
   print(md)
 
 
