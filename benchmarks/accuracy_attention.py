@@ -13,6 +13,8 @@ Score spreads: q as drawn ("x1") and q times 4 ("x4": peaked rows, whose max mov
 
   python benchmarks/accuracy_attention.py [--out DIR]      (GPU; on the CPU: jaxcp only)
   python benchmarks/accuracy_attention.py --quick          (1 x 256, D 64: a smoke run)
+
+Writes accuracy_<kind>.{json,md} (kind: the device, e.g. h100) to --out, $OUT or benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def _with_env(name, value, fn):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=None, help="output folder (default benchmarks/results)")
+  parser.add_argument("--out", default=None, help="output folder (default $OUT or benchmarks/results)")
   parser.add_argument("--quick", action="store_true", help="one tiny case (runs on the CPU too)")
   args = parser.parse_args(argv)
   size = QUICK if args.quick else dict(batch=BATCH, seq=SEQ, mean_doc=MEAN_DOC, configs=CONFIGS)
@@ -101,7 +103,8 @@ def main(argv=None):
        for r in results])
   header = (f"Device: {common.device_description()}. Forward output, relative L2 error against float64, "
             f"B x S = {batch} x {seq}, {Q_HEADS}/{KV_HEADS} heads, causal, mean document {size['mean_doc']}.\n\n")
-  path = common.write_results("accuracy", dict(meta=common.run_metadata(), results=results), header + table, args.out)
+  path = common.write_results(common.result_name("accuracy"), dict(meta=common.run_metadata(), results=results),
+                              header + table, args.out)
   print(header + table)
   print("written:", path)
 

@@ -2,14 +2,15 @@
 XLA, side by side in one process, with a bf16 matmul and a device copy measured in the same run.
 cuDNN's packed form runs twice: with the rows' own document count as its capacity M (its best
 case) and with a fixed M = S/t ("cudnn_static": the capacity a jitted training loop needs, see
-static_doc_capacity; t = 64 by default, the form ../shared/ANCHORS.md measured). Ratios and
+static_doc_capacity; t = 64 by default). Ratios and
 geometric means are given against both. Every peer's output and gradients are checked against
 jaxcp's; a peer that computes something else gets no ratio. Forward and forward+backward are
 compiled and timed apart, so a peer whose backward runs out of memory still has a forward.
 
 FLOPs count allowed pairs only: forward 2*(D+Dv)*Hq*pairs (4*D*Hq*pairs when V's head dim Dv is
 D), forward+backward 3.5x that.
-Writes JSON + markdown (+ a PNG plot) to $OUT or benchmarks/results/.
+Writes attention_<kind>.{json,md,png} (attention_extra_<kind>.* with --extra; kind: the device,
+e.g. h200) to --out, $OUT or benchmarks/results/.
 
   python benchmarks/bench_attention.py            # the full GPU case list
   python benchmarks/bench_attention.py --quick    # tiny shapes, runs on the CPU too
@@ -100,10 +101,10 @@ def cudnn_packed_args(rows, batch, max_docs=None):
   return seqlen, offsets
 
 
-# Tokens per document t of the "cudnn_static" peer's capacity M = S/t. At 64, cuDNN's backward
-# asks for the memory ../shared/ANCHORS.md reports for its 1 x 32k and 1 x 64k cases (130.5 and
-# 521 GiB against 130 and 520; tools/cudnn_capacity_probe.py, session 35), so that is inferred to
-# be the form the anchors measured. (Its 4 x 16k 32/8 figure, 258 GiB, fits t = 128 instead.)
+# Tokens per document t of the "cudnn_static" peer's capacity M = S/t: one document slot per 64
+# tokens. At this capacity cuDNN's packed forward+backward asks for 130.5 GiB at 1 x 32k and
+# 521 GiB at 1 x 64k (XLA's compiled memory analysis; H200, JAX 0.11.2, cuDNN 9.19.0), so it runs
+# out of memory on the long cases, which the tables show as "OOM".
 STATIC_TOKENS_PER_DOC = 64
 
 
@@ -114,7 +115,7 @@ def static_doc_capacity(seq_len, tokens_per_doc=STATIC_TOKENS_PER_DOC):
   per row changes from batch to batch, so a training loop passes a capacity rather than the
   batch's count (which recompiles whenever it changes). JAX's cuDNN packed backward needs memory
   and time in proportion to M: B * M * S * Hq * D float32 elements with 16/16 heads, twice that
-  with 32/8 (H200, JAX 0.11.2, cuDNN 9.19.0; tools/cudnn_capacity_probe.py, session 35)."""
+  with 32/8 (H200, JAX 0.11.2, cuDNN 9.19.0; read from XLA's compiled memory analysis)."""
   return seq_len // tokens_per_doc
 
 
@@ -350,7 +351,7 @@ def _summary_md(summary, static_tokens_per_doc):
 
 def markdown(meta, results):
   """The results table (and the geometric means of the ratios) as markdown."""
-  tokens_per_doc = meta.get("static_tokens_per_doc", 128)  # results before session 35: S/128
+  tokens_per_doc = meta.get("static_tokens_per_doc", 128)  # result files without the key used S/128
   static = f"M=S/{tokens_per_doc}"
   header = ["case", "docs/row", "jaxcp fwd", "jaxcp fwd+bwd", "cuDNN packed fwd", "cuDNN packed fwd+bwd",
             f"cuDNN {static} fwd", f"cuDNN {static} fwd+bwd", "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd",
@@ -386,7 +387,7 @@ def main(argv=None):
   quick = args.quick or jax.default_backend() == "cpu"
   dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
   cases = QUICK_CASES if quick else EXTRA_CASES if args.extra else GPU_CASES
-  name = "attention_extra" if args.extra else "attention"
+  name = common.result_name("attention_extra" if args.extra else "attention")
   if args.only:
     cases = [c for c in cases if args.only in c.name]
 

@@ -21,6 +21,9 @@ Reported per case:
 
   python benchmarks/bench_cp.py                                   # everything (two device calls' worth)
   python benchmarks/bench_cp.py --seq 131072 --mixes doc8k --heads 32 8
+
+Writes cp_<kind>x<N>.{json,md} (kind: the device, N: the most GPUs run, e.g. cp_h200x4) to
+--out, $OUT or benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -215,7 +218,8 @@ def main(argv=None):
     cost = dict(token_cost=cal["token_cost"], pair_cost=cal["pair_cost"])
   out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   rows = []
-  path = os.path.join(out_dir, "cp.json")
+  name = common.result_name("cp", max(n for n in args.gpus if n <= len(jax.devices())))
+  path = os.path.join(out_dir, name + ".json")
   if args.append and os.path.exists(path):
     with open(path) as f:
       rows = json.load(f)["rows"]
@@ -226,7 +230,7 @@ def main(argv=None):
   meta = common.run_metadata()
   md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; B=1, D=128, causal, forward+backward, bf16; "
         f"placement cost {cost or 'built-in'}.\n\n" + table(rows))
-  common.write_results("cp", dict(meta=meta, cost=cost, rows=rows), md, out_dir)
+  common.write_results(name, dict(meta=meta, cost=cost, rows=rows), md, out_dir)
   print(md)
 
 

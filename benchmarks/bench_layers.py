@@ -13,7 +13,7 @@ Each peer's final output and gradients are checked against jaxcp's. For jaxcp th
 plan custom calls (and attention kernel calls) are counted.
 
 FLOPs count allowed pairs only: forward 2*(D+Dv)*Hq*pairs*L (4*D*Hq*pairs*L), fwd+bwd 3.5x.
-Writes layers.json + layers.md to --out, $OUT or benchmarks/results/.
+Writes layers_<kind>.json + .md (kind: the device, e.g. h200) to --out, $OUT or benchmarks/results/.
 
   python benchmarks/bench_layers.py               # GPU cases, 4 layers
   python benchmarks/bench_layers.py --quick       # tiny shapes, runs on the CPU too
@@ -195,7 +195,7 @@ def main(argv=None):
     print(f"{case.name}: " + ", ".join(f"{k} {_cell(r.get(k), 'fwd')} / {_cell(r.get(k), 'fwd_bwd')}"
                                         for k in ("jaxcp_1layer", "jaxcp") + PEERS if k in r), flush=True)
   md = markdown(meta, results)
-  common.write_results("layers", dict(meta=meta, results=results), md, args.out)
+  common.write_results(common.result_name("layers"), dict(meta=meta, results=results), md, args.out)
   print(md)
 
 

@@ -29,7 +29,8 @@ Targets (H100, bf16): forward >= 90% and backward >= 85% of the copy bandwidth; 
   python benchmarks/bench_small_seq.py            # the full GPU case list
   python benchmarks/bench_small_seq.py --quick    # small batches, runs on the CPU too
 
-Writes small_seq.json and small_seq.md to $OUT or benchmarks/results/.
+Writes small_seq_<kind>.json and .md (kind: the device, e.g. h100) to --out, $OUT or
+benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -384,6 +385,7 @@ def main(argv=None):
   reps = args.reps or (5 if args.quick else 20)
   rng = np.random.default_rng(0)
   meta = dict(common.run_metadata(), dtype=dtype.name, quick=args.quick, reps=reps)
+  name = common.result_name("small_seq")
   results = []
   for case in cases:
     try:
@@ -394,9 +396,9 @@ def main(argv=None):
     results.append(r)
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     md = markdown(results, meta)  # written after every case: partial runs keep their results
-    out_dir = common.write_results("small_seq", dict(meta=meta, results=results), md, args.out)
+    out_dir = common.write_results(name, dict(meta=meta, results=results), md, args.out)
   print(md)
-  print(f"wrote {out_dir}/small_seq.json and small_seq.md")
+  print(f"wrote {out_dir}/{name}.json and {name}.md")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ allowed pairs), token_cost = 0.5 * a / b: the cost of a token in allowed pairs.
 
     python benchmarks/calibrate_placement.py [--seq 65536] [--heads 32 8] [--head-dim 128]
 
-Writes placement_calibration.{json,md} to --out ($OUT or benchmarks/results/).
+Writes placement_calibration_<kind>.{json,md} to --out ($OUT or benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def main(argv=None):
         + common.markdown_table(["L", "measured ms", "fit ms", "fit error"], rows)
         + f"\nFit t = S * (a + b * L): a = {a:.3e} s, b = {b:.3e} s. DocumentPlacement cost: "
           f"token_cost = {token_cost:.0f}, pair_cost = 0.5.\n")
-  common.write_results("placement_calibration", dict(meta=meta, seq=s, heads=[hq, hkv], head_dim=d,
+  common.write_results(common.result_name("placement_calibration", 1), dict(meta=meta, seq=s, heads=[hq, hkv], head_dim=d,
                                                      lengths=lengths, seconds=seconds, a=a, b=b,
                                                      token_cost=token_cost, pair_cost=0.5), md, args.out)
   print(md)

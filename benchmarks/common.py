@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from datetime import datetime, timezone
@@ -160,7 +161,26 @@ def allowed_pairs(rows, *, causal: bool, window=None, chunk=None) -> int:
   return total
 
 
+def device_kind(devices: int | None = None) -> str:
+  """This run's device kind as result file names spell it: the model of a GPU in lower case
+  ("h200", "h100", "a100"), else the platform ("cpu"); with `devices` > 1 the count follows
+  ("h200x4")."""
+  d = jax.devices()[0]
+  text = str(getattr(d, "device_kind", "") or d.platform).lower()
+  model = re.search(r"\b([a-z]{1,2}\d{2,4}[a-z]?)\b", text)
+  kind = model.group(1) if model else (re.sub(r"[^a-z0-9]+", "_", text).strip("_") or d.platform)
+  return f"{kind}x{devices}" if devices and devices > 1 else kind
+
+
+def result_name(benchmark: str, devices: int | None = None) -> str:
+  """File stem of a benchmark's results: `<benchmark>_<device kind>` (e.g. attention_h200,
+  cp_h200x4), so that benchmarks/results/ keeps one result set per benchmark and GPU kind."""
+  return f"{benchmark}_{device_kind(devices)}"
+
+
 def write_results(name: str, payload: dict, markdown: str, out_dir: str | None = None) -> str:
+  """Writes `<name>.json` and `<name>.md` (name: from result_name) to out_dir, $OUT or
+  benchmarks/results/; returns the folder."""
   out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:

@@ -91,7 +91,7 @@ def imbalance(work: np.ndarray) -> np.ndarray:
 def tile_work(segment_ids: np.ndarray, perm, cp_size: int, tile: int = 128) -> np.ndarray:
   """int64 [..., cp]: (q, k) pairs in the tiles a tile-skipping kernel visits, per rank.
 
-  Models the CUDA kernel of DESIGN.md section 5 on the permuted layout (all-gathered keys in
+  Models the CUDA kernels' tile skipping on the permuted layout (all-gathered keys in
   the same permuted order): per tile of ``tile`` tokens, a summary (min/max non-zero segment id,
   min/max position); a (query tile, key tile) pair is skipped when the segment ranges do not
   overlap or every query position is below every key position, and costs tile**2 otherwise.

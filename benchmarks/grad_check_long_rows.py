@@ -10,6 +10,9 @@ disagreeing implementations is wrong.
 
   python benchmarks/grad_check_long_rows.py [--only SUBSTR] [--out DIR]   (GPU)
   python benchmarks/grad_check_long_rows.py --quick                        (CPU smoke run)
+
+Writes grad_check_<kind>.{json,md} (kind: the device, e.g. h200) to --out, $OUT or
+benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -151,7 +154,7 @@ def main(argv=None):
     results.append(check_case(case, dtype, gpu and not quick))
     print(f"{time.perf_counter() - t0:.0f} s", results[-1], flush=True)
   md = markdown(meta, results)
-  common.write_results("grad_check", dict(meta=meta, results=results), md, args.out)
+  common.write_results(common.result_name("grad_check"), dict(meta=meta, results=results), md, args.out)
   print(md)
 
 

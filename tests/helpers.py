@@ -46,7 +46,7 @@ def qkv(rng: np.random.Generator, batch, q_len, kv_len, q_heads, kv_heads, head_
 
 
 def allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, *, causal=False, window=None, chunk=None):
-  """[B, Sq, Skv] booleans: the (query, key) pairs that DESIGN.md section 1 allows."""
+  """[B, Sq, Skv] booleans: the (query, key) pairs that the mask model allows."""
   q_seg, q_pos, kv_seg, kv_pos = (np.asarray(x, np.int64) for x in (q_seg, q_pos, kv_seg, kv_pos))
   allowed = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] != 0)
   diff = q_pos[:, :, None] - kv_pos[:, None, :]
@@ -62,7 +62,7 @@ def allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, *, causal=False, window=None, ch
 
 def numpy_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, causal=False, window=None,
                     chunk=None, scale=None):
-  """Independent float64 NumPy oracle of DESIGN.md section 1 (shares no code with jaxcp)."""
+  """Independent float64 NumPy oracle of the mask model (shares no code with jaxcp)."""
   q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
   b, sq, hq, d = q.shape
   hkv = k.shape[2]

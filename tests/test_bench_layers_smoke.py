@@ -6,7 +6,7 @@ from .test_benchmarks_smoke import _run_quick
 
 def test_bench_layers_quick(tmp_path):
   _run_quick("bench_layers", tmp_path)
-  data = json.loads((tmp_path / "layers.json").read_text())
+  data = json.loads((tmp_path / "layers_cpu.json").read_text())
   assert data["meta"]["layers"] == 4 and data["results"]
   for r in data["results"]:
     for name, layers in (("jaxcp", 4), ("jaxcp_1layer", 1)):
@@ -19,4 +19,4 @@ def test_bench_layers_quick(tmp_path):
     calls = r["jaxcp"]["fwd_bwd_hlo_custom_calls"]
     assert calls["jaxcp_attention_fwd"] == 4 and calls["jaxcp_attention_bwd"] == 4, calls
     assert calls["jaxcp_attention_fwd_plan"] == 0 and calls["jaxcp_attention_bwd_plan"] == 0, calls
-  assert (tmp_path / "layers.md").read_text().startswith("Device:")
+  assert (tmp_path / "layers_cpu.md").read_text().startswith("Device:")

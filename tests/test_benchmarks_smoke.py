@@ -20,19 +20,19 @@ def _run_quick(script, out_dir):
 
 def test_bench_attention_quick(tmp_path):
   _run_quick("bench_attention", tmp_path)
-  data = json.loads((tmp_path / "attention.json").read_text())
+  data = json.loads((tmp_path / "attention_cpu.json").read_text())
   assert all("jaxcp" in r and "fwd_ms" in r["jaxcp"] for r in data["results"])
   # the XLA peer is checked against jaxcp's output and gradients (float32 on the CPU)
   errs = [(r["xla"]["rel_err_vs_jaxcp"], r["xla"]["grad_rel_err_vs_jaxcp"]) for r in data["results"]]
   assert errs and all(0 <= e < 1e-4 for pair in errs for e in pair), errs
-  assert (tmp_path / "attention.md").read_text().startswith("Device:")
+  assert (tmp_path / "attention_cpu.md").read_text().startswith("Device:")
 
 
 def test_accuracy_quick(tmp_path):
   """The accuracy script runs, and the CPU kernel's bf16 output is within bf16 rounding of the
   float64 reference (its own rounding of the output alone is about 1.5e-3)."""
   _run_quick("accuracy_attention", tmp_path)
-  data = json.loads((tmp_path / "accuracy.json").read_text())
+  data = json.loads((tmp_path / "accuracy_cpu.json").read_text())
   errs = [r["rel_err_vs_f64"]["jaxcp"] for r in data["results"]]
   assert len(errs) == 2 and all(0 < e < 4e-3 for e in errs), errs
 
@@ -41,7 +41,7 @@ def test_grad_check_quick(tmp_path):
   """The per-document gradient reference agrees with jaxcp's float32 CPU kernel (causal, and with
   a window) to float32 rounding: a reference that masked differently would not."""
   _run_quick("grad_check_long_rows", tmp_path)
-  data = json.loads((tmp_path / "grad_check.json").read_text())
+  data = json.loads((tmp_path / "grad_check_cpu.json").read_text())
   errs = [r["jaxcp"][g]["rel_err"] for r in data["results"] for g in ("dq", "dk", "dv")]
   assert len(errs) == 6 and all(0 < e < 1e-5 for e in errs), errs
 

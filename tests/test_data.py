@@ -20,7 +20,7 @@ def corpora(draw, max_len=70):
 
 
 def _segments_from_cu(cu, seq_len):
-  """Reference decoder of the cu_seqlens convention (DESIGN.md section 2)."""
+  """Reference decoder of the cu_seqlens convention (jaxcp.attention's cu_seqlens)."""
   seg = np.zeros((cu.shape[0], seq_len), np.int32)
   pos = np.zeros((cu.shape[0], seq_len), np.int32)
   for b in range(cu.shape[0]):

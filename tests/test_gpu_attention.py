@@ -369,8 +369,8 @@ def test_sm80_kernels_on_hopper(mask, head_dim, monkeypatch):
 @pytest.mark.parametrize("mask", ["window", "causal_window"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm90_forward_on_short_windows(mask, head_dim):
-  """Windows under 512 keys, which the sm_90a forward runs since session 30 (the sm_80 one did
-  before): query tiles whose key tiles are nearly all partial."""
+  """Windows under 512 keys on the sm_90a forward: query tiles whose key tiles are nearly all
+  partial."""
   rng = np.random.default_rng(4)
   seg = random_segments(rng, 2, 700, mean_doc=150)
   _compare(*_qkv(4, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])

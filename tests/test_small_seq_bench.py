@@ -15,7 +15,7 @@ def test_bench_small_seq_quick(tmp_path):
     bench_small_seq.main(["--quick", "--reps", "2", "--only", "GQA", "--out", str(tmp_path)])
   finally:
     sys.path.remove(BENCH)
-  data = json.loads((tmp_path / "small_seq.json").read_text())
+  data = json.loads((tmp_path / "small_seq_cpu.json").read_text())
   (r,) = data["results"]
   assert "error" not in r, r.get("error")
   assert r["jaxcp_fwd_ms"] > 0 and r["copy_gbps"] > 0
@@ -25,5 +25,5 @@ def test_bench_small_seq_quick(tmp_path):
     # the saved probabilities are the only sizeable temporary
     assert comp["total"] <= r[f"need_{tag}_bytes"] + (1 << 20)
     assert r[f"{tag}_memory_ok"] is True
-  md = (tmp_path / "small_seq.md").read_text()
+  md = (tmp_path / "small_seq_cpu.md").read_text()
   assert "temp bytes / (inputs+outputs+probs)" in md and "pass" in md

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Context-parallel benchmark on a multi-GPU host (the device tool's nvidia-h200-x2 / -x4):
+# Context-parallel benchmark on a multi-GPU host (4 GPUs; on 2, pass --gpus 2):
 # builds jaxcp with the CUDA extension and runs benchmarks/bench_cp.py over 1, 2 and 4 GPUs,
 # then the small-seq benchmark on GPU 0. Outputs go to $OUT or ./gpu_results.
 set -uo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ncu (hardware counters) over one launch of a kernel in a benchmark case, on a GPU host whose
-# runtime allows it (device/KINDS.md: Firecracker). Build first (tools/gpu_build.sh).
+# runtime gives access to the performance counters. Build first (tools/gpu_build.sh).
 #   bash tools/gpu_profile.sh <kernel-regex> <case> [extra profile_case.py args]
 # e.g. bash tools/gpu_profile.sh small_seq_fwd_mma ss:ragged30720
 #      bash tools/gpu_profile.sh attention_fwd_sm90 "att:1x64k doc1k"

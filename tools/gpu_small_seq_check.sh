@@ -2,7 +2,7 @@
 # Small-sequence attention on one GPU host: build jaxcp with the CUDA extension (sm_90a), run the
 # small-seq GPU tests and benchmarks/bench_small_seq.py (timings, bandwidth vs a device copy,
 # memory vs inputs + outputs + saved probabilities). Outputs go to $OUT (the device tool's
-# folder) or ./gpu_results: build.log, small_seq_tests.log, small_seq.{json,md}, bench log.
+# folder) or ./gpu_results: build.log, small_seq_tests.log, small_seq_<kind>.{json,md}, bench log.
 #   bash tools/gpu_small_seq_check.sh [all|tests|bench|memcheck]   (default all = tests + bench)
 # memcheck: compute-sanitizer over a few small-seq calls (clamped lengths, ragged, GQA, grads).
 # Offline hosts: put nvidia-cutlass (and any other missing wheel) in .whl/ first.

@@ -4,7 +4,7 @@
 everything ``jaxcp.attention`` and a next-token loss need (:class:`PackedBatch`);
 :func:`iter_packed_batches` does the same over a stream of documents, batch by batch.
 
-Conventions (DESIGN.md sections 1 and 2):
+Conventions (those of ``jaxcp.attention``):
 
 * ``segment_ids``: documents of a row are numbered 1..n in row order; padding is 0.
 * ``positions``: position inside the document, restarting at 0 for each document (a document

@@ -1,7 +1,7 @@
 """Turns the user's mask arguments into per-token (segment id, position) arrays.
 
-Rules (DESIGN.md section 2): segment 0 is padding; positions default to restarting at 0 per
-contiguous document, or to bottom-right aligned aranges when there are no segments.
+Rules (the mask model in README.md): segment 0 is padding; positions default to restarting at 0
+per contiguous document, or to bottom-right aligned aranges when there are no segments.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def make_mask_spec(is_causal, local_window_size, chunk_size) -> MaskSpec:
 
 def token_arrays(batch, q_len, kv_len, *, segment_ids, positions, kv_segment_ids, kv_positions,
                  cu_seqlens):
-  """Returns int32 (q_seg, q_pos, kv_seg, kv_pos) following DESIGN.md section 2 defaults.
+  """Returns int32 (q_seg, q_pos, kv_seg, kv_pos) following jaxcp.attention's defaults.
 
   In self attention (Sq == Skv, no kv_segment_ids) the key side mirrors the query side: kv
   segment ids default to segment_ids and kv positions to `positions` when those are given, so a
@@ -148,7 +148,7 @@ def token_arrays(batch, q_len, kv_len, *, segment_ids, positions, kv_segment_ids
 
 
 def allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, spec: MaskSpec):
-  """Boolean [B, Sq, Skv]: the mask model of DESIGN.md section 1."""
+  """Boolean [B, Sq, Skv]: the mask model (README.md, "The mask model")."""
   qs, ks = q_seg[:, :, None], kv_seg[:, None, :]
   mask = (qs == ks) & (qs != 0)
   d = q_pos[:, :, None] - kv_pos[:, None, :]

@@ -66,7 +66,7 @@ def make_attention_fn(*, segment_ids=None, positions=None, kv_segment_ids=None, 
 
   Drop-in for ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` and
   ``flax.nnx.MultiHeadAttention(attention_fn=...)`` (GQA included: nnx's ``num_kv_heads``).
-  All keyword arguments have the meaning of ``jaxcp.attention``'s (DESIGN.md section 2); token
+  All keyword arguments have the meaning of ``jaxcp.attention``'s; token
   arrays not given here are taken from an enclosing :func:`document_layout` context, else the
   defaults of ``jaxcp.attention`` apply (one document per row). For linen, build the module inside
   the ``@nn.compact`` method so the closure sees this batch's arrays::

@@ -1,6 +1,6 @@
 """Small-sequence attention: one query token per row attending to at most 16 key/value tokens.
 
-`small_seq_attention` (DESIGN.md section 2) is built like `jaxcp.attention`, in two layers
+`small_seq_attention` is built like `jaxcp.attention`, in two layers
 (primitive.py, sharding.py):
 - kernel primitives (`jaxcp_small_seq_{fwd,bwd}_kernel`) lower to the FFI targets
   `jaxcp_small_seq_{fwd,bwd}` of the current platform. The kernels see one flat layout:
