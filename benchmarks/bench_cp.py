@@ -6,7 +6,8 @@ DocumentPlacement over the largest GPU count leaves out becomes padding (an inpu
 those documents into later rows; the share is reported), and that row is the problem for every
 GPU count and strategy.
 
-Strategies: "placement" (jaxcp.choose_placement per GPU count, context_parallel=placement),
+Strategies: "placement" (jaxcp.choose_placement per GPU count and balance tolerance,
+context_parallel=placement),
 "all_gather" on balanced_blocks rows and "ring" on striped rows (the best of the others).
 Reported per case:
   efficiency     T1 / (N * TN), T1 the one-GPU time of the same row;
@@ -127,7 +128,7 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def run_case(seq_len, mix, heads, gpu_counts, reps, cost, seed=0):
+def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, seed=0):
   hq, hkv = heads
   rng = np.random.default_rng(seed)
   seg = doc_mixes.packed_row(rng, seq_len, mix)[None]
@@ -152,10 +153,12 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, seed=0):
       continue
     mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
     sh = NamedSharding(mesh, P(None, "cp"))
-    for strategy, balance in STRATEGIES.items():
+    cases = [("placement", f"tolerance {t:g}", t) for t in tolerances]
+    cases += [(s, b, None) for s, b in STRATEGIES.items() if s != "placement"]
+    for strategy, balance, tolerance in cases:
       shared = 0
       if strategy == "placement":
-        placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, **cost)
+        placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, tolerance=tolerance, **cost)
         context_parallel, shared = placement, placement.shared_tokens
       else:
         context_parallel = strategy
@@ -205,6 +208,8 @@ def main(argv=None):
                   help="pairs of query / key-value heads (default 32 8 16 16)")
   ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
   ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--tolerances", type=float, nargs="+", default=[0.02, 0.06],
+                  help="placement balance tolerances to run (each a strategy of its own)")
   ap.add_argument("--calibration", default=None,
                   help="placement_calibration.json from calibrate_placement.py (default: the built-in costs)")
   ap.add_argument("--append", action="store_true", help="add to the rows of an earlier run in --out")
@@ -226,7 +231,7 @@ def main(argv=None):
   for s in args.seq:
     for mix in args.mixes:
       for h in heads:
-        rows += run_case(s, mix, h, args.gpus, args.reps, cost)
+        rows += run_case(s, mix, h, args.gpus, args.reps, cost, args.tolerances)
   meta = common.run_metadata()
   md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; B=1, D=128, causal, forward+backward, bf16; "
         f"placement cost {cost or 'built-in'}.\n\n" + table(rows))

@@ -17,7 +17,6 @@ Writes the JSON to --out, and the markdown table to stdout and next to the JSON 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -28,25 +27,15 @@ import numpy as np
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _import_load_balance():
-  try:
-    if _ROOT not in sys.path:
-      sys.path.insert(0, _ROOT)
-    from jaxcp._src.attention import load_balance as lb   # pylint: disable=import-outside-toplevel
-    return lb
-  except ImportError:  # jaxcp/__init__ may need the compiled extension: load the file alone
-    path = os.path.join(_ROOT, "jaxcp", "_src", "load_balance.py")
-    spec = importlib.util.spec_from_file_location("_jaxcp_load_balance", path)
-    lb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lb)
-    return lb
+from jaxcp._src.attention import load_balance as lb  # noqa: E402
+from jaxcp._src.attention.placement import choose_with_eviction  # noqa: E402
 
 
-lb = _import_load_balance()
-
-STRATEGIES = ("contiguous", "striped", "zigzag", "zigzag_docs", "balanced_blocks")
+STRATEGIES = ("contiguous", "striped", "zigzag", "zigzag_docs", "balanced_blocks", "placement")
+# What a DocumentPlacement exchanges: the shared region, cp * R of S tokens (all_gather: all of S).
+PLACEMENT = "placement"
 SEQ_LENS = (32 * 1024, 128 * 1024, 256 * 1024)
-CP_SIZES = (2, 4, 8)
+CP_SIZES = (2, 4, 8, 16, 32, 64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,6 +187,7 @@ def _mix(kind, mean=None):
 MIXES = {
     "one_doc": _mix("one_doc"),
     "lognormal_1k": _mix("lognormal", 1024),
+    "lognormal_2k": _mix("lognormal", 2048),
     "lognormal_4k": _mix("lognormal", 4096),
     "lognormal_8k": _mix("lognormal", 8192),
     "lognormal_32k": _mix("lognormal", 32768),
@@ -208,6 +198,7 @@ MIXES = {
 MIX_NOTES = {
     "one_doc": "one document of length S per row",
     "lognormal_1k": "lognormal lengths (sigma 1), mean 1k, packed full (last document cut)",
+    "lognormal_2k": "lognormal, mean 2k, packed full",
     "lognormal_4k": "lognormal, mean 4k, packed full",
     "lognormal_8k": "lognormal, mean 8k, packed full",
     "lognormal_32k": "lognormal, mean 32k, packed full",
@@ -218,6 +209,25 @@ MIX_NOTES = {
 
 
 # --------------------------------------------------------------------------------------------
+
+
+def placement_entry(seg: np.ndarray, cp: int) -> dict:
+  """Causal work balance, bytes and left-out share of a DocumentPlacement chosen per row (the
+  data pipeline's rule: the smallest shared size that balances; what finds no room left out)."""
+  s = seg.shape[-1]
+  per_row, shared, left_out, work = [], [], [], []
+  for row in seg:
+    placement, perm, _, evicted = choose_with_eviction(row[None], cp)
+    placed = np.where(evicted, 0, row[None])
+    w = rank_work(placed, perm, cp)
+    per_row.append(float(imbalance(w)[0]))
+    work.append(w[0])
+    shared.append(cp * placement.shared_tokens / s)
+    left_out.append(float(evicted.sum()) / max(int((row != 0).sum()), 1))
+  return dict(row_mean=float(np.mean(per_row)), row_max=float(np.max(per_row)),
+              batch=float(imbalance(np.sum(work, axis=0))), bytes_mean=float(np.mean(shared)),
+              bytes_max=float(np.max(shared)), left_out_mean=float(np.mean(left_out)),
+              left_out_max=float(np.max(left_out)))
 
 
 def run(rows: int, seed: int, seq_lens=SEQ_LENS, cp_sizes=CP_SIZES, mixes=None,
@@ -234,6 +244,9 @@ def run(rows: int, seed: int, seq_lens=SEQ_LENS, cp_sizes=CP_SIZES, mixes=None,
         entry = dict(mix=name, seq_len=s, cp=cp, rows=rows, docs_per_row=docs / rows,
                      padding=float((seg == 0).mean()))
         for strategy in STRATEGIES:
+          if strategy == PLACEMENT:
+            entry[strategy] = placement_entry(seg, cp)
+            continue
           perm = permutation(strategy, seg, cp, tile)
           w = rank_work(seg, perm, cp)
           per_row = imbalance(w)
@@ -271,7 +284,21 @@ def markdown(results) -> str:
     if sel:
       lines.append(f"| {cp} | " + " | ".join(
           f"{max(e[st]['row_max'] for e in sel):.3f}" for st in STRATEGIES) + " |")
+  placed = [e for e in results if PLACEMENT in e]
+  if placed:
+    lines += [
+        "", "## Document placement: what it exchanges and leaves out", "",
+        "Per row, the smallest shared size (from 0, S/16/cp, S/8/cp, S/4/cp, S/2/cp, S/cp per rank) that "
+        "balances the cost model within 2% with at most 2% of the tokens left out (a pipeline packs those "
+        "into later rows). Cell: bytes exchanged relative to all_gather's (cp * R / S), mean (max) over rows; "
+        "tokens left out, mean (max); causal work max/mean, mean (worst row).", "",
+        "| mix | S | cp | bytes vs all_gather | left out | work max/mean |", "|---|---|---|---|---|---|"]
+    for e in placed:
+      p = e[PLACEMENT]
+      lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | {p['bytes_mean']:.2f} ({p['bytes_max']:.2f}) | "
+                   f"{p['left_out_mean']:.2%} ({p['left_out_max']:.2%}) | {p['row_mean']:.3f} ({p['row_max']:.3f}) |")
   tiled = [e for e in results if "tile_overhead" in e[STRATEGIES[0]]]
+  tile_strategies = [st for st in STRATEGIES if st != PLACEMENT]
   if tiled:
     lines += [
         "", "## What a tile-skipping kernel visits (128 x 128 tiles)", "",
@@ -281,20 +308,20 @@ def markdown(results) -> str:
         "`step` = visited area of the busiest rank / (allowed pairs / cp), mean over rows (worst "
         "row): the modelled step time relative to a perfect kernel with perfect balance. "
         "balanced_blocks uses block_size = tile.", "",
-        "| mix | S | cp | " + " | ".join(STRATEGIES) + " |",
-        "|---|---|---|" + "---|" * len(STRATEGIES)]
+        "| mix | S | cp | " + " | ".join(tile_strategies) + " |",
+        "|---|---|---|" + "---|" * len(tile_strategies)]
     for e in tiled:
       cells = [f"{e[st]['tile_overhead']:.2f}, {e[st]['tile_step_mean']:.2f} "
-               f"({e[st]['tile_step_max']:.2f})" for st in STRATEGIES]
+               f"({e[st]['tile_step_max']:.2f})" for st in tile_strategies]
       lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | " + " | ".join(cells)
                    + " |")
     lines += ["", "Worst row over all packed mixes, modelled step (busiest rank's visited area / "
-              "(allowed / cp)):", "", "| cp | " + " | ".join(STRATEGIES) + " |",
-              "|---|" + "---|" * len(STRATEGIES)]
+              "(allowed / cp)):", "", "| cp | " + " | ".join(tile_strategies) + " |",
+              "|---|" + "---|" * len(tile_strategies)]
     for cp in sorted({e["cp"] for e in tiled}):
       sel = [e for e in tiled if e["cp"] == cp and e["mix"] != "one_doc"]
       lines.append(f"| {cp} | " + " | ".join(
-          f"{max(e[st]['tile_step_max'] for e in sel):.2f}" for st in STRATEGIES) + " |")
+          f"{max(e[st]['tile_step_max'] for e in sel):.2f}" for st in tile_strategies) + " |")
   lines += ["", "Mixes:", ""] + [f"- `{k}`: {v}" for k, v in MIX_NOTES.items()
                                  if any(e["mix"] == k for e in results)]
   return "\n".join(lines) + "\n"
@@ -306,12 +333,16 @@ def main(argv=None):
                                                     "cp_balance.json"))
   parser.add_argument("--rows", type=int, default=8, help="rows drawn per (mix, S)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seq", type=int, nargs="+", default=list(SEQ_LENS))
+  parser.add_argument("--cp", type=int, nargs="+", default=list(CP_SIZES))
+  parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
   parser.add_argument("--tile", type=int, default=128, help="kernel tile size for the tile model")
   parser.add_argument("--tile-max-seq", type=int, default=128 * 1024,
                       help="largest S for the tile model (its cost grows as S**2)")
   args = parser.parse_args(argv)
   t0 = time.perf_counter()
-  results = run(args.rows, args.seed, tile=args.tile, tile_max_seq=args.tile_max_seq)
+  results = run(args.rows, args.seed, seq_lens=args.seq, cp_sizes=args.cp, mixes=args.mixes, tile=args.tile,
+                tile_max_seq=args.tile_max_seq)
   elapsed = time.perf_counter() - t0
   md = markdown(results)
   out_dir = os.path.dirname(os.path.abspath(args.out))

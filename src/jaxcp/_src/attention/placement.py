@@ -43,7 +43,7 @@ DEFAULT_PAIR_COST = 0.5
 # A placement is balanced when its costliest rank is at most this far above the mean.
 DEFAULT_TOLERANCE = 0.02
 # choose_placement's default sizes: these fractions of S / cp (the last is the full exchange).
-DEFAULT_SHARED_FRACTIONS = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+DEFAULT_SHARED_FRACTIONS = (0.0, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
