@@ -299,3 +299,22 @@ def test_errors():
     lb.load_balance_permutation(seg.astype(np.float32), 2)
   with pytest.raises(ValueError, match="Unknown strategy"):
     lb.load_balance_permutation(seg, 2, strategy="nope")
+
+
+@pytest.mark.parametrize("strategy", ["striped", "zigzag", "zigzag_docs"])
+def test_arrays_sharded_over_explicit_mesh_axes(cpu_devices, strategy):
+  """jax.make_mesh's default Explicit axes: the permutation keeps the input's sharding, eagerly
+  and under jit, and restore_order undoes it."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("dp", "cp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  x_host = np.arange(2 * 64 * 3, dtype=np.float32).reshape(2, 64, 3)
+  x = jax.device_put(x_host, NamedSharding(mesh, P("dp", "cp")))
+  if strategy == "zigzag_docs":
+    strategy = lb.load_balance_permutation(np.repeat(np.arange(1, 9), 8)[None].repeat(2, 0).astype(np.int32), 4,
+                                           strategy="zigzag_docs")
+  want = lb.load_balance(x_host, 4, strategy=strategy)
+  for f in (lambda x: lb.load_balance(x, 4, strategy=strategy), jax.jit(lambda x: lb.load_balance(x, 4, strategy=strategy))):
+    y = f(x)
+    assert tuple(y.sharding.spec)[:2] == ("dp", "cp")
+    np.testing.assert_array_equal(np.asarray(y), want)
+    np.testing.assert_array_equal(np.asarray(lb.restore_order(y, 4, strategy=strategy)), x_host)

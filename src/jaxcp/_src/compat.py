@@ -59,3 +59,20 @@ def derived_aval(base, shape, dtype, dims):
   spec = tuple(spec) + (None,) * (len(base.shape) - len(spec))
   new_sharding = sharding.update(spec=[None if d is None else spec[d] for d in dims])
   return base.update(shape=tuple(shape), dtype=dtype, sharding=new_sharding)
+
+
+def explicit_sharding(x):
+  """x's NamedSharding when its type is sharded over Explicit mesh axes (sharding in types,
+  jax.make_mesh's default), where reshapes and gathers of a sharded axis need their output
+  sharding spelled out; else None (numpy arrays, Auto meshes, unsharded arrays)."""
+  if not isinstance(x, jax.Array):  # tracers included
+    return None
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  if explicit is None or not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+    return None
+  if all(p is None for p in sharding.spec):
+    return None
+  return sharding
+

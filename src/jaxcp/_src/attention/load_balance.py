@@ -62,6 +62,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from .. import compat
 from .document_zigzag import document_layout, zigzag_docs_ranks
 from .placement import DocumentPlacement, placement_permutation
 
@@ -239,6 +240,9 @@ def apply_permutation(x, perm, *, axis: int = 1):
     xp = np
   else:
     xp = jnp
+    explicit = compat.explicit_sharding(x)
+    if explicit is not None:
+      return _gather_explicit(x, jnp.asarray(perm), ax, explicit)
   if perm.ndim == 1:
     if xp is np:
       return np.take(x, perm, axis=ax)
@@ -249,6 +253,21 @@ def apply_permutation(x, perm, *, axis: int = 1):
   if xp is np:
     return np.take_along_axis(x, idx, axis=ax)
   return jnp.take_along_axis(x, idx, axis=ax, mode="clip")
+
+
+def _gather_explicit(x, perm, ax, sharding):
+  """apply_permutation for an array sharded over Explicit mesh axes: one gather whose output keeps
+  x's sharding (JAX cannot infer it for a gather along a sharded axis)."""
+  if perm.ndim > 1 and perm.ndim - 1 < ax:  # per-row permutation: spell out the dims up to axis
+    lead = perm.shape[:-1]
+    perm = jnp.broadcast_to(perm.reshape(lead + (1,) * (ax - len(lead)) + perm.shape[-1:]),
+                            x.shape[:ax] + perm.shape[-1:])
+  if perm.ndim == 1:
+    index = (slice(None),) * ax + (perm,)
+  else:
+    lead = perm.shape[:-1]
+    index = tuple(jnp.arange(n).reshape((n,) + (1,) * (len(lead) - i)) for i, n in enumerate(lead)) + (perm,)
+  return x.at[index].get(mode="clip", out_sharding=sharding)
 
 
 def invert_permutation(perm):
@@ -453,6 +472,8 @@ def load_balance(x, cp_size: int, *, axis: int = 1, strategy="striped"):
     return apply_permutation(x, strategy, axis=ax)
   if cp == 1:
     return x
+  if compat.explicit_sharding(x) is not None:  # reshapes of a sharded axis: gather instead
+    return apply_permutation(x, _static_permutation(x.shape[ax], cp, strategy), axis=ax)
   if strategy == "striped":
     return _striped(x, cp, ax, inverse=False)
   return _zigzag(x, cp, ax, inverse=False)
@@ -473,6 +494,9 @@ def restore_order(x, cp_size: int, *, axis: int = 1, strategy="striped"):
     return apply_permutation(x, invert_permutation(strategy), axis=ax)
   if cp == 1:
     return x
+  if compat.explicit_sharding(x) is not None:
+    inverse = np.argsort(_static_permutation(x.shape[ax], cp, strategy)).astype(np.int32)
+    return apply_permutation(x, inverse, axis=ax)
   if strategy == "striped":
     return _striped(x, cp, ax, inverse=True)
   return _zigzag(x, cp, ax, inverse=True)
