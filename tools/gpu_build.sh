@@ -21,7 +21,7 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${JAXCP_CUDA_ARCHS:-90a-real}" \
-  CMAKE_BUILD_PARALLEL_LEVEL=16 \
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; rm -f "$manifest"; exit 1; }
 mv "$manifest.new" "$manifest"

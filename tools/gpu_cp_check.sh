@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# Context-parallel benchmark on a multi-GPU host (4 GPUs; on 2, pass --gpus 2):
-# builds jaxcp with the CUDA extension and runs benchmarks/bench_cp.py over 1, 2 and 4 GPUs,
-# then the small-seq benchmark on GPU 0. Outputs go to $OUT or ./gpu_results.
+# Context-parallel benchmark on a multi-GPU host (4 GPUs; on 2, pass --gpus 2): builds jaxcp with
+# the CUDA extension, calibrates the document placement's cost model on GPU 0
+# (benchmarks/calibrate_placement.py), then runs benchmarks/bench_cp.py over 1, 2 and 4 GPUs with
+# that calibration. Outputs go to $OUT or ./gpu_results.
+#   bash tools/gpu_cp_check.sh [bench_cp.py args]
+#   SKIP_CALIBRATION=1 bash tools/gpu_cp_check.sh --seq 262144 --append   (reuse $OUT's calibration)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+bash tools/gpu_build.sh || exit 1
+if [[ -z "${SKIP_CALIBRATION:-}" ]]; then
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/calibrate_placement.py --out "$OUT" 2>&1 | tail -16
 fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real" CMAKE_BUILD_PARALLEL_LEVEL=32 \
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
-  || { tail -50 "$OUT/build.log"; exit 1; }
-echo "build ok"
-python3 benchmarks/bench_cp.py --out "$OUT" "$@" 2>&1 | tail -30
-CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_small_seq.py --out "$OUT" 2>&1 | tail -14
+calibration=$(ls "$OUT"/placement_calibration_*.json 2>/dev/null | head -1)
+python3 benchmarks/bench_cp.py --out "$OUT" ${calibration:+--calibration "$calibration"} "$@" 2>&1 | tail -60
