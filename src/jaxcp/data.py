@@ -227,6 +227,10 @@ class _PieceStream:
   def push_back(self, pieces: Sequence[_Piece]) -> None:
     self._back.extendleft(reversed(list(pieces)))
 
+  def pending(self) -> bool:
+    """Whether pieces were pushed back since the stream last ran dry."""
+    return bool(self._back)
+
   def __iter__(self):
     return self
 
@@ -271,6 +275,8 @@ def _row_batches(stream: _PieceStream, seq_len: int, batch_size: int, strategy: 
           rows.append(row)
         if rows and (len(rows) == batch_size or not drop_remainder):
           yield rows
+        if stream.pending():  # the consumer gave pieces back after the last batch
+          continue
         return
       yield rows
 
@@ -298,7 +304,9 @@ def _row_batches(stream: _PieceStream, seq_len: int, batch_size: int, strategy: 
       if len(chunk) == batch_size or not drop_remainder:
         yield chunk
     if exhausted:
-      return
+      if not stream.pending():
+        return
+      exhausted, buffer, tokens = False, [], 0  # pieces given back after the last batch
 
 
 def iter_packed_batches(documents: Iterable, seq_len: int, batch_size: int, *,
