@@ -310,7 +310,8 @@ def packed_row_stream(args, row: int):
   ``(seed, row)``: a process packs only the rows it holds, and any process count yields the
   same global batch.
   """
-  docs = synthetic_documents((args.seed, row), args.vocab, args.min_doc, args.max_doc or args.seq_len)
+  docs = synthetic_documents((args.seed, row), args.vocab, args.min_doc,
+                             args.max_doc or args.seq_len)
   for packed in jaxcp.data.iter_packed_batches(docs, args.seq_len, 1, pad_id=PAD):
     yield {k: getattr(packed, k)[0] for k in _BATCH_KEYS}   # positions: before any permutation
 

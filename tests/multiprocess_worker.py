@@ -62,6 +62,7 @@ def attention_checks() -> dict:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import jaxcp
+  from jaxcp._src.compat import shard_map
 
   b, s, hq, hkv, d = 2, 64, 4, 2, 8
   rng = np.random.default_rng(0)
@@ -107,8 +108,8 @@ def attention_checks() -> dict:
         if mode == "jit":
           f = jax.jit(fwd_bwd(strategy))
         else:
-          f = jax.jit(jax.shard_map(fwd_bwd(strategy, axis="cp"), mesh=mesh, in_specs=specs,
-                                    out_specs=(s4, s4, s4, s4)))
+          f = jax.jit(shard_map(fwd_bwd(strategy, axis="cp"), mesh=mesh, in_specs=specs,
+                                out_specs=(s4, s4, s4, s4)))
         outs = multihost_utils.process_allgather(f(*args), tiled=True)
         got = [jaxcp.restore_order(np.asarray(o), cp, axis=1, strategy="striped") for o in outs]
         errs = {name: _rel_err(g, r) for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}

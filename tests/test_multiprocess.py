@@ -3,9 +3,8 @@ single-process results: attention with the context-parallel axis across the proc
 three steps of examples/train_packed_lm.py, whose train step moves no part of the input batch
 between data-parallel ranks and which makes no per-step cross-process equality check.
 
-The processes run tests/multiprocess_worker.py (one launch for the whole module, bounded by
-_TIMEOUT_S; on a failure or timeout only the process groups started here are killed, and the
-workers' output is shown). The single-process answers come from this pytest process (8 host
+The processes run tests/multiprocess_worker.py (one launch, bounded by _TIMEOUT_S; on a failure
+or timeout only the process groups started here are killed, and the workers' output is shown). The single-process answers come from this pytest process (8 host
 devices) and, for the attention, from one device inside each worker.
 """
 from __future__ import annotations
@@ -188,8 +187,9 @@ def test_two_processes_match_one_process(tmp_path, cpu_devices):
 # order); collective-permute lists source-target pairs.
 
 _COLLECTIVE = re.compile(
-    r"^\s*(?:ROOT )?%?\S+ = (?P<type>.+?) (?P<op>all-gather|all-to-all|collective-permute|reduce-scatter|"
-    r"all-reduce)(?:-start)?\((?P<rest>.*)$", re.M)
+    r"^\s*(?:ROOT )?%?\S+ = (?P<type>.+?) "
+    r"(?P<op>all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce)(?:-start)?\("
+    r"(?P<rest>.*)$", re.M)
 
 
 def _groups(rest: str, n_devices: int) -> list[list[int]]:
@@ -204,8 +204,8 @@ def _groups(rest: str, n_devices: int) -> list[list[int]]:
     if m.group(3):
       ids = ids.transpose([int(x) for x in m.group(3).split(",")])
     return ids.reshape(shape).tolist()
-  if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}",
-                    rest):
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\]"
+                    r"(?:, device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", rest):
     axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
     names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
     ids = np.arange(int(np.prod(sizes)))
@@ -262,3 +262,20 @@ def _check_train_step_collectives(hlo: str, name: str):
     assert "collective-permute" in ops and "all-gather" not in ops, ops
   else:
     assert "all-gather" in ops, ops
+
+
+def test_collective_check_catches_a_gathered_batch(cpu_devices):
+  """Control for _check_train_step_collectives: a batch gathered over dp fails it."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.asarray(cpu_devices[:8]).reshape(2, 2, 2), ("dp", "cp", "tp"))
+
+  def step(tokens):
+    rows = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, P(None, "cp")))
+    return jnp.sum(rows * jnp.arange(8)[:, None])
+
+  batch = jax.ShapeDtypeStruct((8, 64), jnp.int32, sharding=NamedSharding(mesh, P("dp", "cp")))
+  hlo = jax.jit(step).lower(batch).compile().as_text()
+  with pytest.raises(AssertionError, match="across dp ranks"):
+    _check_train_step_collectives(hlo, "dp2_cp2_tp2_all_gather")

@@ -13,8 +13,8 @@
 #   bash tools/gpu_multihost_check.sh [extra example flags, e.g. --steps 50 --seq-len 32768]
 #
 # Builds jaxcp with the CUDA extension first (tools/gpu_build.sh; JAXCP_SKIP_BUILD=1 skips it).
-# Offline: flax, optax and the wheels they need beyond the image (msgpack, treescope, etils, ...)
-# go in .whl/, which tools/gpu_build.sh installs; nothing is downloaded.
+# Nothing is downloaded: wheels the host lacks (nvidia-cutlass for the build; flax and optax if
+# the image has none) go in .whl/, which tools/gpu_build.sh installs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_results}"
@@ -31,7 +31,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 
 CONFIG=(--steps 30 --batch 8 --seq-len 16384 --min-doc 64 --d-model 1024 --layers 4 --heads 8
         --kv-heads 2 --head-dim 128 --mlp-hidden 4096 --log-every 10 "$@")
-LIMIT=420  # seconds per run: the processes of a failed or stuck run are ended (timeout -k)
+LIMIT=${MH_RUN_LIMIT:-240}  # seconds per run: a failed or stuck run's processes are ended
 RUNS=$(mktemp -d)   # logs and the example's own plots
 
 one_process() {  # name, mesh flags...
