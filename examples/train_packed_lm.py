@@ -170,7 +170,7 @@ class Config:
   window: int | None = None
   dtype: jnp.dtype = jnp.float32
   implementation: str | None = None
-  context_parallel: str = "auto"
+  context_parallel: object = "auto"   # "auto" | "ring" | "all_gather" | a jaxcp.DocumentPlacement
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,17 +303,32 @@ def process_region(sharding: NamedSharding, global_shape: tuple[int, ...]) -> li
 _BATCH_KEYS = ("tokens", "segment_ids", "positions", "labels", "loss_mask")
 
 
-def packed_row_stream(args, row: int):
+def packed_row_stream(args, row: int, cp: int = 1):
   """Endless packed rows (numpy dicts of [S] arrays) for global row index ``row``.
 
   Row ``row`` of every global batch comes from its own document stream, seeded by
   ``(seed, row)``: a process packs only the rows it holds, and any process count yields the
-  same global batch.
+  same global batch. With ``--load-balance document`` (and cp > 1) the rows come out laid out
+  for ``document_placement(args, cp)`` (jaxcp.data.iter_placed_batches: a document that finds no
+  room goes back to this row's stream), with their permutation under ``"perm"``.
   """
   docs = synthetic_documents((args.seed, row), args.vocab, args.min_doc,
                              args.max_doc or args.seq_len)
+  if args.load_balance == "document" and cp > 1:
+    placement = document_placement(args, cp)
+    for placed in jaxcp.data.iter_placed_batches(docs, args.seq_len, 1, cp, sizes=(placement.shared_tokens,),
+                                                 pad_id=PAD):
+      yield dict({k: v[0] for k, v in placed.arrays().items()}, perm=placed.permutation[0])
+    return
   for packed in jaxcp.data.iter_packed_batches(docs, args.seq_len, 1, pad_id=PAD):
     yield {k: getattr(packed, k)[0] for k in _BATCH_KEYS}   # positions: before any permutation
+
+
+def document_placement(args, cp: int):
+  """The run's one DocumentPlacement: --shared-tokens per rank (default S / cp / 4), a single
+  static size, so one program serves every step on every process."""
+  shared = args.shared_tokens if args.shared_tokens is not None else args.seq_len // cp // 4
+  return jaxcp.DocumentPlacement(shared)
 
 
 def _balanced_blocks_size(seq_len: int, cp: int) -> int:
@@ -355,10 +370,13 @@ def host_batch_rows(args, rows: np.ndarray, columns: np.ndarray, cp: int):
     permuted by :func:`placement_permutation` for context parallelism, then cut to
     ``columns``. Deterministic in (seed, global row, step).
   """
-  streams = [packed_row_stream(args, int(r)) for r in rows]
+  streams = [packed_row_stream(args, int(r), cp) for r in rows]
   while True:
     packed = [next(s) for s in streams]
     batch = {k: np.stack([p[k] for p in packed]) for k in _BATCH_KEYS}
+    if "perm" in packed[0]:  # already laid out for the document placement
+      yield {k: np.ascontiguousarray(v[:, columns]) for k, v in batch.items()}
+      continue
     perm = placement_permutation(batch["segment_ids"], cp, args.load_balance)
     if perm is not None:
       batch = {k: jaxcp.load_balance(v, cp, axis=1, strategy=perm) for k, v in batch.items()}
@@ -462,8 +480,14 @@ def parse_args(argv=None):
   p.add_argument("--cp", type=int, default=1, help="context-parallel size (sequence)")
   p.add_argument("--context-parallel", choices=("auto", "ring", "all_gather"), default="auto",
                  help="context-parallel algorithm of jaxcp.attention (with --cp > 1)")
-  p.add_argument("--load-balance", choices=("striped", "zigzag", "zigzag_docs", "balanced_blocks"),
-                 default="striped", help="token placement across the cp ranks (with --cp > 1)")
+  p.add_argument("--load-balance", choices=("document", "striped", "zigzag", "zigzag_docs", "balanced_blocks"),
+                 default="document",
+                 help="token placement across the cp ranks (with --cp > 1): 'document' lays rows out "
+                      "for a jaxcp.DocumentPlacement (documents whole on one rank, only the shared "
+                      "region exchanged) and sets --context-parallel to it; the others permute "
+                      "packed rows for all_gather / ring")
+  p.add_argument("--shared-tokens", type=int, default=None,
+                 help="with --load-balance document: shared tokens per rank (default seq-len / cp / 4)")
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch", type=int, default=16, help="global batch (rows), a multiple of dp")
   p.add_argument("--seq-len", type=int, default=256)
@@ -532,7 +556,8 @@ def main(argv=None) -> dict:
   cfg = Config(vocab=args.vocab, d_model=args.d_model, layers=args.layers, heads=args.heads,
                kv_heads=args.kv_heads, head_dim=args.head_dim, mlp_hidden=args.mlp_hidden,
                window=args.window, dtype=dtype, implementation=impl,
-               context_parallel=args.context_parallel)
+               context_parallel=(document_placement(args, cp) if args.load_balance == "document" and cp > 1
+                                 else args.context_parallel))
   model = PackedLM(cfg)
 
   replicated = NamedSharding(mesh, P())
@@ -567,7 +592,7 @@ def main(argv=None) -> dict:
   say(f"jaxcp {jaxcp.__version__}: {procs}, mesh dp={dp} cp={cp} tp={tp}; "
       f"{n_params / 1e6:.2f}M params, {jnp.dtype(dtype).name}, attention implementation="
       f"{impl or 'auto'}; batch {args.batch} x {args.seq_len} tokens"
-      + (f", {args.load_balance} load balancing, context_parallel={args.context_parallel}"
+      + (f", {args.load_balance} load balancing, context_parallel={cfg.context_parallel}"
          if cp > 1 else ""))
 
   global_shape = (args.batch, args.seq_len)
@@ -613,7 +638,7 @@ def main(argv=None) -> dict:
         mesh=[dp, cp, tp], axes_across_processes=across, process_count=jax.process_count(),
         local_devices=jax.local_device_count(), backend=backend,
         device_kind=jax.devices()[0].device_kind, dtype=jnp.dtype(dtype).name,
-        implementation=impl or "auto", context_parallel=args.context_parallel,
+        implementation=impl or "auto", context_parallel=str(cfg.context_parallel),
         load_balance=args.load_balance, jax_version=jax.__version__,
         jaxcp_version=jaxcp.__version__,
         config={k: v for k, v in vars(args).items()

@@ -95,23 +95,28 @@ def attention_checks() -> dict:
   results = {}
   for mesh_name, mesh in _meshes().items():
     cp = mesh.shape["cp"]
-    lb = lambda x: jaxcp.load_balance(x, cp, axis=1, strategy="striped")
-    host = [lb(x) for x in (q, k, v, dout, seg, pos)]   # positions derived before permuting
     s4, s2 = P("dp", "cp", None, None), P("dp", "cp")
     specs = (s4, s4, s4, s4, s2, s2)
-    args = [jax.make_array_from_callback(x.shape, NamedSharding(mesh, sp), lambda idx, x=x: x[idx])
-            for x, sp in zip(host, specs)]
-    for strategy in ("ring", "all_gather"):
+    # Every process computes the same permutations from the same host rows.
+    placement, doc_perm, _ = jaxcp.choose_placement(seg, cp, sizes=(0, 4, s // cp))
+    layouts = {"striped": "striped", "placement": doc_perm}
+    for strategy in ("ring", "all_gather", "placement"):
+      order = layouts["placement" if strategy == "placement" else "striped"]
+      lb = lambda x: jaxcp.load_balance(x, cp, axis=1, strategy=order)
+      host = [lb(x) for x in (q, k, v, dout, seg, pos)]   # positions derived before permuting
+      args = [jax.make_array_from_callback(x.shape, NamedSharding(mesh, sp), lambda idx, x=x: x[idx])
+              for x, sp in zip(host, specs)]
+      context_parallel = placement if strategy == "placement" else strategy
       for mode in ("jit", "shard_map"):
         if mode == "shard_map" and mesh_name != "dp2_cp4":
           continue  # shard_map once, on the mesh with both axes
         if mode == "jit":
-          f = jax.jit(fwd_bwd(strategy))
+          f = jax.jit(fwd_bwd(context_parallel))
         else:
-          f = jax.jit(shard_map(fwd_bwd(strategy, axis="cp"), mesh=mesh, in_specs=specs,
+          f = jax.jit(shard_map(fwd_bwd(context_parallel, axis="cp"), mesh=mesh, in_specs=specs,
                                 out_specs=(s4, s4, s4, s4)))
         outs = multihost_utils.process_allgather(f(*args), tiled=True)
-        got = [jaxcp.restore_order(np.asarray(o), cp, axis=1, strategy="striped") for o in outs]
+        got = [jaxcp.restore_order(np.asarray(o), cp, axis=1, strategy=order) for o in outs]
         errs = {name: _rel_err(g, r) for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref)}
         results[f"{mesh_name}/{strategy}/{mode}"] = errs
   return results

@@ -36,13 +36,14 @@ _TINY = ["--steps", "3", "--batch", "8", "--seq-len", "64", "--min-doc", "6", "-
          "--vocab", "32", "--d-model", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2",
          "--head-dim", "16", "--mlp-hidden", "64", "--lr", "1e-2", "--warmup", "3", "--quiet"]
 # name -> (flags, the mesh axis the process boundary cuts): dp across the processes (the
-# example's default order) with all_gather and a per-row document-aware placement; cp (and
-# then tp inside each process) across them with the ring.
+# example's default order) with all_gather and a per-row document-aware permutation; cp (and
+# then tp inside each process) across them with the ring and with the document placement.
 _RUNS = {
     "dp2_cp2_tp2_all_gather": (["--dp", "2", "--cp", "2", "--tp", "2", "--context-parallel",
                                 "all_gather", "--load-balance", "zigzag_docs"], ["dp"]),
-    "dp1_cp4_tp2_ring": (["--dp", "1", "--cp", "4", "--tp", "2", "--context-parallel", "ring"],
-                         ["cp"]),
+    "dp1_cp4_tp2_ring": (["--dp", "1", "--cp", "4", "--tp", "2", "--context-parallel", "ring",
+                          "--load-balance", "striped"], ["cp"]),
+    "dp1_cp4_tp2_document": (["--dp", "1", "--cp", "4", "--tp", "2", "--load-balance", "document"], ["cp"]),
 }
 
 
@@ -129,13 +130,13 @@ def _check_processes(results):
 
 
 def _check_attention(results):
-  """Values and gradients (dq, dk, dv) of ring and all_gather, jit and shard_map, with the cp
+  """Values and gradients (dq, dk, dv) of ring, all_gather and a document placement, jit and shard_map, with the cp
   axis crossing the processes, against the unsharded call: float32 rounding only."""
   for r in results:
     cases = r["attention"]
-    assert {"dp1_cp8/ring/jit", "dp1_cp8/all_gather/jit", "dp2_cp4/ring/jit",
-            "dp2_cp4/all_gather/jit", "dp2_cp4/ring/shard_map",
-            "dp2_cp4/all_gather/shard_map"} == set(cases)
+    assert {f"{mesh}/{strategy}/jit" for mesh in ("dp1_cp8", "dp2_cp4")
+            for strategy in ("ring", "all_gather", "placement")} | {
+        f"dp2_cp4/{strategy}/shard_map" for strategy in ("ring", "all_gather", "placement")} == set(cases)
     worst = max(e for errs in cases.values() for e in errs.values())
     assert worst < 2e-6, json.dumps(cases, indent=1)
 

@@ -62,3 +62,17 @@ def test_place_packed_reports_what_it_left_out():
 def test_bad_cp():
   with pytest.raises(ValueError, match="cp must"):
     next(data.iter_placed_batches([np.ones(5, np.int32)], 30, 1, 4))
+
+
+@pytest.mark.parametrize("shared", [0, 8, 32])
+def test_one_static_size_cuts_what_no_region_holds(shared):
+  """With one shared size, documents longer than both a local region and the shared region are
+  cut into pieces that fit; the stream still ends and keeps every token."""
+  cp, seq_len = 4, 128
+  docs = _documents(np.random.default_rng(3), 12, 60) + [np.arange(500_000, 500_300, dtype=np.int32)]
+  seen = []
+  for batch in data.iter_placed_batches(docs, seq_len, 2, cp, sizes=(shared,)):
+    assert batch.placement.shared_tokens == shared
+    assert placement_violations(batch.segment_ids, cp, batch.placement) == []
+    seen.append(batch.tokens[batch.segment_ids != 0])
+  np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.sort(np.concatenate(docs)))

@@ -220,8 +220,8 @@ class _PieceStream:
   """The pieces of a stream of documents (see _split), which takes pieces back: those come out
   again first (a placed batch returns the documents it left out)."""
 
-  def __init__(self, documents: Iterable, seq_len: int):
-    self._pieces = (p for i, d in enumerate(documents) for p in _split(i, _as_document(d, i), seq_len))
+  def __init__(self, documents: Iterable, piece_len: int):
+    self._pieces = (p for i, d in enumerate(documents) for p in _split(i, _as_document(d, i), piece_len))
     self._back: collections.deque[_Piece] = collections.deque()
 
   def push_back(self, pieces: Sequence[_Piece]) -> None:
@@ -419,7 +419,10 @@ def iter_placed_batches(documents: Iterable, seq_len: int, batch_size: int, cp: 
     documents, seq_len, batch_size, strategy, pad_id, buffer_rows, drop_remainder: as in
       :func:`iter_packed_batches` (default strategy "best_fit": fuller rows).
     cp: context-parallel ranks (the CP mesh axis size); ``seq_len % cp == 0``.
-    sizes: ascending static shared sizes to choose from.
+    sizes: static shared sizes to choose from (default: S / cp times 0, 1/8, 1/4, 3/8, 1/2, 3/4
+      and 1). Each distinct size compiles its own program; one size gives one program. Documents
+      longer than any size can hold (a local region, S / cp - R, or the shared one, cp * R) are
+      cut into pieces that fit, each piece a document of its own.
     **cost: ``token_cost``, ``pair_cost``, ``tolerance`` of the placement (see DocumentPlacement).
 
   Yields:
@@ -429,7 +432,14 @@ def iter_placed_batches(documents: Iterable, seq_len: int, batch_size: int, cp: 
                                                                buffer_rows)
   if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1 or seq_len % cp:
     raise ValueError(f"cp must be an int >= 1 that divides seq_len ({seq_len}), got {cp!r}.")
-  stream = _PieceStream(documents, seq_len)
+  sizes = None if sizes is None else tuple(sorted(int(r) for r in sizes))
+  shard = seq_len // int(cp)
+  if sizes is not None and (not sizes or sizes[0] < 0 or sizes[-1] > shard):
+    raise ValueError(f"sizes must be shared-region sizes in [0, seq_len / cp = {shard}], got {sizes}.")
+  # The longest document a placement can hold: a whole local region, or the whole shared one.
+  # Longer ones are cut into pieces of that length (each a document of its own, as for seq_len).
+  longest = seq_len if sizes is None else max(max(shard - r, int(cp) * r) for r in sizes)
+  stream = _PieceStream(documents, min(seq_len, longest))
   for rows in _row_batches(stream, seq_len, batch_size, strategy, None, buffer_rows, drop_remainder):
     batch = _build(rows, seq_len, pad_id, None, num_rows=batch_size)
     placed, evicted = place_packed(batch, int(cp), sizes=sizes, pad_id=pad_id, **cost)
