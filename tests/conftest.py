@@ -3,6 +3,12 @@ hypothesis prints the @reproduce_failure line of a failing example (CI and the G
 example database between runs, so that line is how a failure is replayed)."""
 import os
 
+# pytest-xdist workers on a host of several GPUs (tools/gpu_tests.sh sets JAXCP_TEST_GPUS to
+# their count): worker i takes GPU i mod count, before JAX initialises its backends.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if os.environ.get("JAXCP_TEST_GPUS") and _worker.startswith("gw") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+  os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % int(os.environ["JAXCP_TEST_GPUS"]))
+
 # Must be set before JAX initialises its backends.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
