@@ -4,9 +4,9 @@
 
 #include <utility>
 
-#include "../common/attention_shape.h"
-#include "attention_kernels.h"
-#include "capture_counts.h"
+#include "common/attention_shape.h"
+#include "attention/launchers.h"
+#include "call_counts.h"
 #include "cuda_handlers.h"
 
 namespace nb = nanobind;

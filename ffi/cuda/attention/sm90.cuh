@@ -2,8 +2,8 @@
 // GEMM issue, accumulator layout views and register conversions. Include after
 // attention_device.cuh (cute/tensor.hpp must come first).
 #pragma once
-#include "attention_device.cuh"
-#include "vector_store.cuh"
+#include "device.cuh"
+#include "cuda/vector_store.cuh"
 
 #include <type_traits>
 

@@ -15,9 +15,9 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
-#include "../common/attention_shape.h"
-#include "../common/mask.h"
-#include "attention_kernels.h"
+#include "common/attention_shape.h"
+#include "common/mask.h"
+#include "launchers.h"
 
 namespace jaxcp::cuda {
 

@@ -3,7 +3,7 @@
 #pragma once
 #include <climits>
 
-#include "attention_device.cuh"
+#include "device.cuh"
 
 namespace jaxcp::cuda::detail {
 

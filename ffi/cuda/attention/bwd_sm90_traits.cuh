@@ -10,9 +10,9 @@
 // Both compute S^T and dP^T with keys as rows. kDv, the value head dim, sizes V, dO, dV and the
 // dP^T / dV GEMMs (multi-head latent attention: sm90_value_head_dim); Q, K, dK, dQ take kD.
 #pragma once
-#include "attention_bwd.cuh"
+#include "bwd.cuh"
 
-#include "attention_sm90.cuh"
+#include "sm90.cuh"
 
 namespace jaxcp::cuda::detail {
 

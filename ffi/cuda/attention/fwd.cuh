@@ -2,7 +2,7 @@
 // kernel (attention_fwd_kernels.cu) and the sm_90a kernel (attention_fwd_sm90_kernels.cu) read
 // the same tile plan.
 #pragma once
-#include "attention_device.cuh"
+#include "device.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -49,6 +49,9 @@ constexpr int fwd_sm90_block_n(int64_t d, int64_t dv) {
 // JAXCP_DISABLE_SM90=1 forces the sm_80 kernel.
 bool fwd_use_sm90(const AttentionArgs& args);
 
+// The kernels' launchers: fwd_sm80.cu (head dims 64, 128, 256) and fwd_sm90.cu (sm90_head_dim, and
+// the value head dims of sm90_value_head_dim). p comes from attention_fwd (fwd_launch.cu).
+cudaError_t launch_fwd_sm80(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, cudaStream_t stream);
 cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, int64_t dv,
                             cudaStream_t stream);
 

@@ -1,8 +1,8 @@
-#include "capture_counts.h"
+#include "call_counts.h"
 
 #include <atomic>
 
-#include "../common/env_flag.h"
+#include "common/env_flag.h"
 
 namespace jaxcp::cuda {
 namespace {

@@ -19,7 +19,7 @@
 
 #include <climits>
 
-#include "attention_plan.cuh"
+#include "plan.cuh"
 
 namespace jaxcp::cuda {
 namespace {

@@ -15,11 +15,10 @@
 // for sm_90a; elsewhere the body is empty and the host never launches it (fwd_use_sm90).
 #include <climits>
 
-#include "attention_fwd.cuh"
-#include "attention_plan.cuh"
+#include "fwd.cuh"
+#include "plan.cuh"
 
-#include "attention_sm90.cuh"
-#include "../common/env_flag.h"
+#include "sm90.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -615,20 +614,6 @@ bool sm90_kernels_available() {
   }
   if (slot != nullptr) __atomic_store_n(slot, ok ? 1 : 2, __ATOMIC_RELEASE);
   return ok;
-}
-
-bool sm90_disabled_by_env() { return env_flag("JAXCP_DISABLE_SM90"); }
-
-// Every shape with a positive scale: until session 30 windows under 512 keys took the sm_80
-// kernel (session 7: window 256 0.96x on an H100, 1.05x on an H200). Session 30's A/B, forward,
-// sm_80 time / sm_90a time on an H200 / H100, 2 x 8k with documents of 1k, D 128: window 256
-// 1.45-1.46x / 1.47-1.48x, window 128 1.37x (H200), window 64 1.17x / 1.15-1.18x; window 256 at
-// D 64 1.33-1.34x / 1.26-1.34x, at D 256 1.96x / 1.87-1.88x, at D 96 / 192 2.7-3.9x (padded by
-// the sm_80 kernel); 4 x 16k with documents of 4k, window 256: 1.46x / 1.46-1.51x.
-bool fwd_use_sm90(const AttentionArgs& a) {
-  if (sm90_disabled_by_env()) return false;
-  if (!(a.scale > 0.f)) return false;  // the kernel folds the scale into exp2 (online_softmax)
-  return sm90_kernels_available();
 }
 
 cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, int64_t dv,

@@ -11,11 +11,11 @@
 
 #include <string>
 
-#include "../common/attention_binding.h"
-#include "../common/ffi_helpers.h"
-#include "attention_kernels.h"
-#include "capture_counts.h"
-#include "cuda_handlers.h"
+#include "common/attention_binding.h"
+#include "common/ffi_helpers.h"
+#include "launchers.h"
+#include "cuda/call_counts.h"
+#include "cuda/cuda_handlers.h"
 
 namespace jaxcp::cuda {
 namespace {

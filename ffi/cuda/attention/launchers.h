@@ -15,7 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../common/attention_shape.h"
+#include "common/attention_shape.h"
 
 namespace jaxcp::cuda {
 

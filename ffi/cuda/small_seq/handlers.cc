@@ -9,11 +9,11 @@
 #include <cstdint>
 #include <string>
 
-#include "../common/ffi_helpers.h"
-#include "../common/small_seq_checks.h"
-#include "capture_counts.h"
-#include "cuda_handlers.h"
-#include "small_seq_kernels.h"
+#include "common/ffi_helpers.h"
+#include "common/small_seq_checks.h"
+#include "cuda/call_counts.h"
+#include "cuda/cuda_handlers.h"
+#include "launchers.h"
 
 namespace jaxcp::cuda {
 namespace {

@@ -4,7 +4,7 @@
 #include <climits>
 #include <cstdlib>
 
-#include "attention_plan.cuh"
+#include "plan.cuh"
 
 namespace jaxcp::cuda {
 namespace {
@@ -253,25 +253,6 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
                       kRangeWarps * 32, 0, stream>>>(rows, n_rows, row_tokens, cols, n_cols, col_tokens,
                                                      mask, rows_are_q, max_runs_by_env(), out);
   return cudaGetLastError();
-}
-
-int multiprocessor_count() {
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess)
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return sms > 0 ? sms : 132;
-}
-
-cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_mask) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const unsigned bit = dev < 32 ? (1u << dev) : 0u;
-  if (bit && (__atomic_load_n(done_mask, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess && bit) __atomic_fetch_or(done_mask, bit, __ATOMIC_ACQ_REL);
-  return err;
 }
 
 }  // namespace jaxcp::cuda
