@@ -1,4 +1,4 @@
-// Parameters and launchers shared by the backward kernels (private to ffi/cuda/*.cu).
+// Parameters and launchers shared by the backward kernels (private to ffi/cuda/attention/).
 #pragma once
 #include "device.cuh"
 

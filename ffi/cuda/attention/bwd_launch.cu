@@ -86,7 +86,7 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
     r.q_ids = w.take(sizeof(ColMask) * s.batch * r.sq_pad);
   }
   if (!r.sm80_dq) {
-    // sm_90a: per query tile, padded to whole tiles (see attention_bwd_sm90_kernels.cu).
+    // sm_90a: per query tile, padded to whole tiles (see bwd_sm90.cu).
     r.dq_accum = w.take(sizeof(float) * s.batch * (r.sm90 ? r.sq_pad : s.q_len) * s.q_heads * s.head_dim);
     if (r.ordered_dq) {
       r.dq_ticket = w.take(sizeof(int) * s.batch * r.nkv * r.nq);
@@ -163,7 +163,7 @@ cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdP
 }  // namespace detail
 
 bool bwd_use_sm90(const AttentionArgs& a) {
-  if (sm90_disabled_by_env()) return false;
+  if (a.kernel.sm80_only) return false;
   const AttentionShape& s = a.shape;
   if (!sm90_head_dim(s.head_dim)) return false;
   if (a.deterministic) {

@@ -4,7 +4,6 @@
 #include <climits>
 
 #include "fwd.cuh"
-#include "common/env_flag.h"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -91,22 +90,15 @@ cudaError_t fwd_plan_for(const AttentionArgs& a, void* plan, size_t plan_bytes, 
   return cudaSuccess;
 }
 
-// JAXCP_FWD_FIXED_TILES=1 (a development aid, for measuring document tiles) gives the sm_90a
-// kernel query tiles of 128 rows from token 0.
-bool fwd_fixed_tiles_by_env() { return env_flag("JAXCP_FWD_FIXED_TILES"); }
-
 }  // namespace detail
 
-bool sm90_disabled_by_env() { return env_flag("JAXCP_DISABLE_SM90"); }
-
-// Every shape with a positive scale: until session 30 windows under 512 keys took the sm_80
-// kernel (session 7: window 256 0.96x on an H100, 1.05x on an H200). Session 30's A/B, forward,
-// sm_80 time / sm_90a time on an H200 / H100, 2 x 8k with documents of 1k, D 128: window 256
-// 1.45-1.46x / 1.47-1.48x, window 128 1.37x (H200), window 64 1.17x / 1.15-1.18x; window 256 at
-// D 64 1.33-1.34x / 1.26-1.34x, at D 256 1.96x / 1.87-1.88x, at D 96 / 192 2.7-3.9x (padded by
-// the sm_80 kernel); 4 x 16k with documents of 4k, window 256: 1.46x / 1.46-1.51x.
+// Every shape with a positive scale, short windows included: forward, sm_80 time / sm_90a time on
+// an H200 / H100, 2 x 8k with documents of 1k, D 128: window 256 1.45-1.46x / 1.47-1.48x, window
+// 128 1.37x (H200), window 64 1.17x / 1.15-1.18x; window 256 at D 64 1.33-1.34x / 1.26-1.34x, at
+// D 256 1.96x / 1.87-1.88x, at D 96 / 192 2.7-3.9x (padded by the sm_80 kernel); 4 x 16k with
+// documents of 4k, window 256: 1.46x / 1.46-1.51x. The kernel options may ask for the sm_80 kernel.
 bool fwd_use_sm90(const AttentionArgs& a) {
-  if (sm90_disabled_by_env()) return false;
+  if (a.kernel.sm80_only) return false;
   if (!(a.scale > 0.f)) return false;  // the kernel folds the scale into exp2 (online_softmax)
   return sm90_kernels_available();
 }
@@ -131,7 +123,7 @@ cudaError_t attention_fwd_plan(const AttentionArgs& a, const int32_t* q_seg, con
   if (cudaError_t err = detail::fwd_plan_for(a, plan, plan_bytes, &t, &pl, &empty); err || empty) return err;
   const TileTokens q_tok{q_seg, q_pos, s.q_len, kFwdBlockM}, kv_tok{kv_seg, kv_pos, s.kv_len, t.block_n};
   if (t.sm90)  // key tile summaries: the plan's key windows at the tiles' starts
-    return launch_doc_tile_plan(q_tok, t.nkv, kv_tok, s.batch, a.mask, detail::fwd_fixed_tiles_by_env(), pl.doc,
+    return launch_doc_tile_plan(q_tok, t.nkv, kv_tok, s.batch, a.mask, a.kernel.fwd_fixed_tiles, pl.doc,
                                 stream);
   cudaError_t err;
   if ((err = launch_tile_summaries(q_tok, pl.q_sum, kv_tok, pl.kv_sum, s.batch, stream))) return err;

@@ -2,7 +2,7 @@
 // one producer warp streams K/V tiles with TMA into a shared-memory ring guarded by mbarriers
 // (cutlass::PipelineTmaAsync); two consumer warpgroups own 64 query rows each and run
 // S = Q K^T and O += P V on wgmma, with the online softmax in registers (P never leaves them).
-// Query tiles start where documents start (attention_doc_tiles_kernels.cu), and each walks key
+// Query tiles start where documents start (doc_tiles.cu), and each walks key
 // tiles from the first key any of its rows may attend, classified skip / full / partial as it
 // goes on the summary of exactly each tile's keys: a document's rows meet key tiles aligned to
 // its start, and work follows the allowed area.
@@ -52,7 +52,7 @@ struct FwdSm90Traits {
   // One consumer warpgroup's 64 rows of sO, the source of its TMA store: the layout's first 64
   // rows. The second warpgroup's rows are the same layout kOHalf elements on (8 row atoms, a
   // whole number of swizzle periods), as a host-side check of every (row, column) found for each
-  // value head dim (session 31) and the GPU tests' outputs confirm.
+  // value head dim and the GPU tests' outputs confirm.
   using SmemLayoutOHalf = decltype(composition(SmemLayoutO{}, Layout<Shape<_64, Int<kDv>>, Stride<_1, Int<kBM>>>{}));
   static constexpr int kOHalf = 64 * int(size<1>(SmemAtomV{}));  // 8 atoms of 8 rows
 
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           const int slot = static_cast<int>(write_k.count() % KT::kMaskSlots);  // key tiles so far
           // A free K stage means a free mask slot (kMaskSlots). Every lane waits for it itself
           // before copying into the slot: when lanes 1-31 followed lane 0's wait through a
-          // __syncwarp, racecheck reported their copies as hazards (session 33). Only thread 0,
+          // __syncwarp, racecheck reports their copies as hazards. Only thread 0,
           // the pipeline's leader, arms the stage's transaction bytes; lane 0 issues the load.
           pipe_k.producer_acquire(write_k);
           if (lane == 0) copy(P.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKg(_, key_tile), tKs(_, write_k.index()));

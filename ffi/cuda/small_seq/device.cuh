@@ -1,11 +1,19 @@
 // Device building blocks of the small-sequence kernels (private to ffi/cuda/small_seq/): the
 // launch parameters, 16-bit conversions, cp.async / ldmatrix / mma.sync wrappers, the per-warp
-// task (one row b and key/value head g), staging of its K/V tokens and rows into shared memory,
-// and the writes of dK/dV.
+// task, staging of its K/V tokens and rows into shared memory, and the writes of dK/dV.
+//
+// One warp per (row b, key/value head g). The warp stages the row's K and V tokens for head g,
+// the G = Hq/Hkv query rows of the group (and, in the backward, dO and the saved probabilities)
+// into its own slice of shared memory with 16-byte cp.async copies: every byte is read from
+// global memory exactly once, all of a task's loads are in flight together, and the K/V tile is
+// shared by all query heads of the GQA group. Shared-memory rows are padded by 16 bytes so lanes
+// reading the same chunk of different rows (and the 8 row addresses of an ldmatrix) hit
+// different banks.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 

@@ -1,28 +1,18 @@
-// CUDA small-sequence attention (see launchers.h): memory bound, one pass over Q, K, V.
+// Launchers of the CUDA small-sequence kernels (launchers.h): which kernel runs, its block shape
+// and shared memory. Memory bound, one pass over Q, K, V: every kernel gives one warp one task, a
+// (row b, key/value head g) pair, and stages its K/V tokens and the G = Hq/Hkv query rows of the
+// group into the warp's slice of shared memory (device.cuh).
 //
-// One warp per (row b, key/value head g). The warp stages the row's K and V tokens for head g,
-// the G = Hq/Hkv query rows of the group (and, in the backward, dO and the saved probabilities)
-// into its own slice of shared memory with 16-byte cp.async copies: every byte is read from
-// global memory exactly once, all of a task's loads are in flight together, and the K/V tile is
-// shared by all query heads of the GQA group.
-//
-// Forward and backward (default): tensor cores (mma.sync) from shared memory, see
-// small_seq_fwd_mma_kernel and small_seq_bwd_mma_kernel.
-// Forward v1 (JAXCP_SMALL_SEQ_FWD_V1=1), backward v1 (JAXCP_SMALL_SEQ_BWD_V1=1, and groups of
-// more than 16 heads): float32 math on the CUDA cores:
-//   scores : lane = (d-split, head, token); partial dot products reduced with shuffles, then a
-//            softmax over the token lanes; probabilities written once (to global and smem).
-//   P @ V  : lane = (token-split, head, 16-byte chunk of D); reduced over the token split.
-//   dK, dV : lane = (token, chunk); sums over the G heads of the group, written once.
-// Shared-memory rows are padded by 16 bytes so lanes reading the same chunk of different rows
-// (and the 8 row addresses of an ldmatrix) hit different banks.
+// Kernels: on tensor cores (mma.sync; fwd_mma.cuh, bwd_mma.cuh), the default; in float32 on the
+// CUDA cores (fwd_cuda_core.cuh, bwd_cuda_core.cuh) when SmallSeqArgs::kernel asks for them, and
+// for the backward of GQA groups of more than 16 heads (the tensor-core backward keeps the dS of
+// at most 16 heads in registers).
 #include <algorithm>
 #include <cstdint>
 #include <utility>
 
 #include "bwd_cuda_core.cuh"
 #include "bwd_mma.cuh"
-#include "common/env_flag.h"
 #include "fwd_cuda_core.cuh"
 #include "fwd_mma.cuh"
 #include "launchers.h"
@@ -33,7 +23,8 @@ namespace {
 
 size_t round16(size_t x) { return (x + 15) & ~size_t{15}; }
 
-enum class Pass { kFwdV1, kFwd, kBwdV1, kBwd };
+// The kernel whose shared-memory slice per warp warp_smem_bytes gives.
+enum class Pass { kFwdCudaCore, kFwdMma, kBwdCudaCore, kBwdMma };
 
 size_t row_bytes(const SmallSeqArgs& a) { return static_cast<size_t>(a.head_dim + 8) * 2; }
 
@@ -43,9 +34,9 @@ size_t warp_smem_bytes(const SmallSeqArgs& a, Pass pass) {
   const size_t ml = static_cast<size_t>(a.max_len);
   const size_t probs = round16(g * ml * 4);
   size_t bytes = 2 * ml * row + g * row;  // K, V, Q
-  if (pass == Pass::kFwdV1) bytes += probs;
-  if (pass == Pass::kBwdV1) bytes += g * row + 2 * probs;  // dO, P, dS
-  if (pass == Pass::kBwd) bytes += g * row + probs;         // dO, P
+  if (pass == Pass::kFwdCudaCore) bytes += probs;
+  if (pass == Pass::kBwdCudaCore) bytes += g * row + 2 * probs;  // dO, P, dS
+  if (pass == Pass::kBwdMma) bytes += g * row + probs;         // dO, P
   return round16(bytes);
 }
 
@@ -137,13 +128,12 @@ Params make_params(const SmallSeqArgs& a) {
   return p;
 }
 
-// JAXCP_SMALL_SEQ_FWD_V1 / JAXCP_SMALL_SEQ_BWD_V1 (env_flag) select the CUDA-core forward /
-// backward, for A/B runs.
+// The tensor-core kernels unless the kernel options ask for the CUDA-core ones.
 template <typename T, int D>
 cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  if (env_flag("JAXCP_SMALL_SEQ_FWD_V1"))
-    return launch_default(small_seq_fwd_kernel<T, D>, a, Pass::kFwdV1, p, s);
-  const size_t per_warp = warp_smem_bytes(a, Pass::kFwd);
+  if (a.kernel.cuda_core_fwd)
+    return launch_default(small_seq_fwd_kernel<T, D>, a, Pass::kFwdCudaCore, p, s);
+  const size_t per_warp = warp_smem_bytes(a, Pass::kFwdMma);
   BlockShape shape;
   if (cudaError_t e = occupancy_shape(per_warp, row_bytes(a), &shape); e != cudaSuccess) return e;
   if (a.max_len <= 8) return launch(small_seq_fwd_mma_kernel<T, D, 1>, a, shape, per_warp, p, s);
@@ -153,9 +143,9 @@ cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
 template <typename T, int D>
 cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
   // The tensor-core backward keeps the dS of at most 16 heads in registers.
-  if (env_flag("JAXCP_SMALL_SEQ_BWD_V1") || p.group > 16)
-    return launch_default(small_seq_bwd_kernel<T, D>, a, Pass::kBwdV1, p, s);
-  const size_t per_warp = warp_smem_bytes(a, Pass::kBwd);
+  if (a.kernel.cuda_core_bwd || p.group > 16)
+    return launch_default(small_seq_bwd_kernel<T, D>, a, Pass::kBwdCudaCore, p, s);
+  const size_t per_warp = warp_smem_bytes(a, Pass::kBwdMma);
   BlockShape shape;
   if (cudaError_t e = occupancy_shape(per_warp, row_bytes(a), &shape); e != cudaSuccess) return e;
   const bool one_token_tile = a.max_len <= 8;
