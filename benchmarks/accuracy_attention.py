@@ -6,8 +6,8 @@ a scale set by the max it subtracts (the running max, or the sm_90a kernel's laz
 Two implementations that subtract the same max round identically and agree with each other far
 more closely than either agrees with the exact answer, so this script measures against float64
 instead of against each other:
-- "jaxcp": the default kernel (sm_90a on Hopper: a lazy reference max, attention_device.cuh);
-- "jaxcp sm80": the sm_80 kernel (JAXCP_DISABLE_SM90=1; it keeps the running max, like cuDNN);
+- "jaxcp": the default kernel (sm_90a on Hopper: a lazy reference max, ffi/cuda/attention/device.cuh);
+- "jaxcp sm80": the sm_80 kernel (private kernel option sm80_only; it keeps the running max, like cuDNN);
 - "cudnn_packed": JAX's cuDNN attention in its packed-document form.
 Score spreads: q as drawn ("x1") and q times 4 ("x4": peaked rows, whose max moves more).
 
@@ -25,6 +25,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxcp._src.attention.api import attention_with_options
+from jaxcp._src.kernel_options import AttentionKernelOptions
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_attention as ba  # noqa: E402
@@ -53,19 +55,16 @@ def reference_f64(q, k, v, seg, pos):
   return out
 
 
-def _with_env(name, value, fn):
-  """fn with an environment switch set around each call (jaxcp reads it at every call)."""
-  def wrapped(*args):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-      return jax.block_until_ready(fn(*args))
-    finally:
-      if old is None:
-        del os.environ[name]
-      else:
-        os.environ[name] = old
-  return wrapped
+def _jaxcp_sm80(case, seg, pos):
+  """ba._jaxcp's call on the sm_80 kernels, chosen by the private kernel options."""
+  seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+  window = (case.window - 1, 0) if case.window else None
+  options = AttentionKernelOptions(sm80_only=True)
+
+  def f(q, k, v):
+    return attention_with_options(q, k, v, segment_ids=seg, positions=pos, is_causal=True, local_window_size=window,
+                                  chunk_size=case.chunk, kernel_options=options)
+  return f
 
 
 def main(argv=None):
@@ -85,7 +84,7 @@ def main(argv=None):
     jaxcp_fn = jax.jit(ba._jaxcp(case, seg, pos))
     impls = {"jaxcp": jaxcp_fn}
     if gpu:
-      impls["jaxcp sm80"] = _with_env("JAXCP_DISABLE_SM90", "1", jaxcp_fn)
+      impls["jaxcp sm80"] = jax.jit(_jaxcp_sm80(case, seg, pos))
       impls["cudnn_packed"] = jax.jit(ba._cudnn_packed(case, rows, dtype))
     for spread in SPREADS:
       key = jax.random.PRNGKey(head_dim)

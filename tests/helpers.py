@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 
 
@@ -141,18 +140,6 @@ def grads_close(grads, rounding_model, *, tol=GRAD_ROW_TOL, model_margin=GRAD_MO
       exact, rounded = model[0][i], model[1][i]
       want, row_tol = exact, np.maximum(tol, model_margin * row_errors(rounded, exact, floor=1.0))
     rows_close(got, want, row_tol, name, floor=1.0, zero_rows=zero_rows)
-
-
-def use_kernel_variant(monkeypatch, env: str, v1: bool):
-  """Selects a CUDA kernel by its environment switch (read by the launcher at every launch) and
-  drops JAX's caches, so the next call builds and launches a fresh executable under it."""
-  from jaxcp._src import registry
-  if v1:
-    monkeypatch.setenv(env, "1")
-  else:
-    monkeypatch.delenv(env, raising=False)
-  jax.clear_caches()
-  registry.ensure_registered()
 
 
 def token_mask_bits(mask, s):

@@ -202,7 +202,7 @@ def test_zero_padded_head_dim_gives_the_unpadded_results(head_dim, widths, monke
     return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
   want_grads, (want_out, want_lse) = run(q, k, v)
-  monkeypatch.setattr(attention_module, "_kernel_head_dims", lambda impl, d, dv, scale, deterministic: widths)
+  monkeypatch.setattr(attention_module, "_kernel_head_dims", lambda impl, d, dv, config: widths)
   hlo = jax.jit(run).lower(q, k, v).as_text()
   for width, value_width in widths:  # the kernels really ran padded: Q and K to width, V to value_width
     assert f"tensor<2x24x4x{width}xf32>" in hlo and f"tensor<2x24x2x{width}xf32>" in hlo

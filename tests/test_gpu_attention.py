@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import jaxcp
+from jaxcp._src.attention.api import attention_with_options
+from jaxcp._src.kernel_options import AttentionKernelOptions
 
 from .helpers import random_segments, rel_err
 
@@ -20,6 +22,8 @@ MASKS = {
     "causal_chunk": dict(is_causal=True, chunk_size=100),
 }
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+DEFAULT = AttentionKernelOptions()
+SM80 = AttentionKernelOptions(sm80_only=True)  # the sm_80 kernels, as an A100 runs them
 
 
 def _qkv(seed, b, sq, skv, hq, hkv, d, dtype, dv=None):
@@ -33,14 +37,16 @@ def _qkv(seed, b, sq, skv, hq, hkv, d, dtype, dv=None):
   return q, k, v, do
 
 
-def _compare(q, k, v, do, dtype, backward=True, lse_cotangent=False, **kw):
+def _compare(q, k, v, do, dtype, backward=True, lse_cotangent=False, options=DEFAULT, **kw):
+  """The CUDA kernels (those `options` pick) against the reference, forward and backward."""
   # Segment ids and positions go in as jit arguments: as closure constants XLA would fold the
   # reference's whole mask at compile time (about a minute at S = 1900).
   arrays = {n: jnp.asarray(x) for n, x in kw.items() if isinstance(x, (np.ndarray, jax.Array))}
   static = {n: x for n, x in kw.items() if n not in arrays}
 
   def run(impl, q, k, v, arrays):
-    f = lambda q, k, v: jaxcp.attention(q, k, v, implementation=impl, return_residual=True, **arrays, **static)
+    f = lambda q, k, v: attention_with_options(q, k, v, implementation=impl, return_residual=True,
+                                               kernel_options=options, **arrays, **static)
     if not backward:
       return *f(q, k, v), ()
     (out, lse), vjp = jax.vjp(f, q, k, v)
@@ -106,16 +112,14 @@ def test_backward_tile_designs(head_dim, case):
 @pytest.mark.parametrize("kernel", ["sm90", "sm80"])
 @pytest.mark.parametrize("head_dim,dtype", [(64, jnp.bfloat16), (128, jnp.bfloat16), (256, jnp.bfloat16),
                                              (128, jnp.float16)])
-def test_forward_reference_max_moves(head_dim, dtype, kernel, monkeypatch):
+def test_forward_reference_max_moves(head_dim, dtype, kernel):
   """Scores that climb along the keys, faster for some rows than for others. The sm_90a
   forward's softmax keeps a reference max until a key tile's max passes it by more than 8 in
   log2 units (kLazyMaxSlack in attention_device.cuh), and rescales O only in warps where a row's
   reference moved. Here references drift below the max for a few tiles (first half of the row),
   then move on every tile (second half), at different tiles for different rows of a warp.
-  "sm80": the sm_80 forward (forced on Hopper by JAXCP_DISABLE_SM90), which keeps the running max,
+  "sm80": the sm_80 forward (chosen on Hopper by the kernel options), which keeps the running max,
   on the same scores."""
-  if kernel == "sm80":
-    monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   s = 1024
   rng = np.random.default_rng(9)
   seg = random_segments(rng, 2, s, mean_doc=400)
@@ -127,7 +131,8 @@ def test_forward_reference_max_moves(head_dim, dtype, kernel, monkeypatch):
   q = q.at[..., 0].set(1 + 0.25 * q[..., 0])
   # Forward only: the backward does not keep a running max, and its dQ is ill-conditioned here
   # (large, nearly equal k[0] cancel), on the CPU kernel too.
-  _compare(q, k, v, do, dtype, backward=False, segment_ids=seg, is_causal=True)
+  _compare(q, k, v, do, dtype, backward=False, options=SM80 if kernel == "sm80" else DEFAULT, segment_ids=seg,
+           is_causal=True)
 
 
 def test_length_one_documents_and_empty_rows():
@@ -184,13 +189,12 @@ def test_deterministic_backward(mask, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_deterministic_backward_sm80_kernels(monkeypatch, head_dim):
+def test_deterministic_backward_sm80_kernels(head_dim):
   """The sm_80 deterministic backward (its own dQ kernel; it runs on rows too long for the
   sm_90a kernel's tickets, and before Hopper) stays correct where sm_90a runs too."""
-  monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   rng = np.random.default_rng(9)
   seg = random_segments(rng, 2, 700, mean_doc=150)
-  _compare(*_qkv(9, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg,
+  _compare(*_qkv(9, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, options=SM80, segment_ids=seg,
            is_causal=True, deterministic=True)
 
 
@@ -272,10 +276,10 @@ def test_native_head_dim_dtypes_gqa_cross(dtype, heads, dims):
   _compare(*_qkv(18, 2, 300, 530, hq, hkv, dims[0], dtype, dims[1]), dtype, segment_ids=seg_q, kv_segment_ids=seg_k)
 
 
-def _operand_widths(head_dim, backward=False, **kw):
+def _operand_widths(head_dim, backward=False, options=DEFAULT, **kw):
   """Head dims of the bfloat16 operands in the lowered forward (or gradient) of a D head_dim call."""
   q, k, v, _ = _qkv(19, 1, 256, 256, 2, 2, head_dim, jnp.bfloat16)
-  f = lambda q, k, v: jnp.sum(jaxcp.attention(q, k, v, **kw).astype(jnp.float32))
+  f = lambda q, k, v: jnp.sum(attention_with_options(q, k, v, kernel_options=options, **kw).astype(jnp.float32))
   hlo = jax.jit(jax.grad(f, argnums=(0, 1, 2)) if backward else f).lower(q, k, v).as_text()
   return {w for w in (96, 128, 192, 256) if f"x{w}xbf16>" in hlo}
 
@@ -287,17 +291,16 @@ def _on_hopper():
 
 @pytest.mark.skipif(not _on_hopper(), reason="the 96- and 192-wide tiles are sm_90a's")
 @pytest.mark.parametrize("head_dim,padded", [(96, 128), (192, 256)])
-def test_native_head_dims_run_unpadded_on_hopper(head_dim, padded, monkeypatch):
+def test_native_head_dims_run_unpadded_on_hopper(head_dim, padded):
   """On Hopper D 96 / 192 run as they are (no pad, no slice), short windows too, the backward
-  unless deterministic; JAXCP_DISABLE_SM90 pads to the next tile width; a head dim between (80,
-  176) pads to the native one."""
+  unless deterministic; the sm_80 kernels (kernel options) pad to the next tile width; a head dim
+  between (80, 176) pads to the native one."""
   assert _operand_widths(head_dim, is_causal=True) == {head_dim}
   assert _operand_widths(head_dim - 16, is_causal=True) == {head_dim}
   assert _operand_widths(head_dim, local_window_size=(64, 0)) == {head_dim}
   assert _operand_widths(head_dim, backward=True, is_causal=True) == {head_dim}
   assert _operand_widths(head_dim, backward=True, is_causal=True, deterministic=True) == {head_dim, padded}
-  monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
-  assert _operand_widths(head_dim, is_causal=True) == {head_dim, padded}
+  assert _operand_widths(head_dim, options=SM80, is_causal=True) == {head_dim, padded}
 
 
 @pytest.mark.parametrize("dims", [(192, 128), (64, 128), (176, 112), (192, 64)],
@@ -312,24 +315,23 @@ def test_value_head_dim_of_its_own(dims):
   _compare(*_qkv(15, 2, 700, 700, 4, 2, d, jnp.bfloat16, dv), jnp.bfloat16, segment_ids=seg, is_causal=True)
 
 
-def _mla_pads(backward, **kw):
+def _mla_pads(backward, options=DEFAULT, **kw):
   """Whether the lowered forward (or gradient) of a q/k 192, v 128 call pads anything (Q and K
   are as wide as a tile: only V, O and dO may be padded)."""
   q, k, v, _ = _qkv(20, 1, 256, 256, 2, 2, 192, jnp.bfloat16, 128)
-  f = lambda q, k, v: jnp.sum(jaxcp.attention(q, k, v, **kw).astype(jnp.float32))
+  f = lambda q, k, v: jnp.sum(attention_with_options(q, k, v, kernel_options=options, **kw).astype(jnp.float32))
   return "stablehlo.pad" in jax.jit(jax.grad(f, argnums=(0, 1, 2)) if backward else f).lower(q, k, v).as_text()
 
 
 @pytest.mark.skipif(not _on_hopper(), reason="V's own head dim is the sm_90a kernels'")
-def test_mla_value_runs_unpadded_on_hopper(monkeypatch):
+def test_mla_value_runs_unpadded_on_hopper():
   """On Hopper q/k 192, v 128 takes V as it is (nothing padded), forward and backward, short
-  windows too; the deterministic backward and JAXCP_DISABLE_SM90 pad."""
+  windows too; the deterministic backward and the sm_80 kernels (kernel options) pad."""
   assert not _mla_pads(False, is_causal=True)
   assert not _mla_pads(True, is_causal=True)
   assert _mla_pads(True, is_causal=True, deterministic=True)
   assert not _mla_pads(True, local_window_size=(64, 0))
-  monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
-  assert _mla_pads(False, is_causal=True)
+  assert _mla_pads(False, options=SM80, is_causal=True)
 
 
 def test_padded_head_dim_long_row_fits():
@@ -357,13 +359,39 @@ def test_default_implementation_picks_cuda():
 
 @pytest.mark.parametrize("mask", ["causal", "window", "causal_chunk"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sm80_kernels_on_hopper(mask, head_dim, monkeypatch):
+def test_sm80_kernels_on_hopper(mask, head_dim):
   """On an H100/H200 the forward and the non-deterministic backward run sm_90a kernels; the sm_80
   kernels (A100) must stay correct too."""
-  monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
   rng = np.random.default_rng(3)
   seg = random_segments(rng, 2, 700, mean_doc=150)
-  _compare(*_qkv(3, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])
+  _compare(*_qkv(3, 2, 700, 700, 4, 2, head_dim, jnp.bfloat16), jnp.bfloat16, options=SM80, segment_ids=seg,
+           **MASKS[mask])
+
+
+def _attention_calls(options):
+  """{FFI target: its custom_call lines} in the StableHLO of a jitted forward and backward with
+  these kernel options."""
+  q, k, v, do = _qkv(21, 1, 256, 256, 2, 2, 128, jnp.bfloat16)
+  f = lambda q, k, v: jax.vjp(lambda q, k, v: attention_with_options(
+      q, k, v, is_causal=True, kernel_options=options), q, k, v)[1](do)
+  lines = [line for line in jax.jit(f).lower(q, k, v).as_text().splitlines() if "stablehlo.custom_call" in line]
+  targets = ("jaxcp_attention_fwd_plan", "jaxcp_attention_fwd", "jaxcp_attention_bwd_plan", "jaxcp_attention_bwd")
+  return {t: [line for line in lines if f"@{t}(" in line] for t in targets}
+
+
+@pytest.mark.parametrize("options", [DEFAULT, SM80, AttentionKernelOptions(fwd_fixed_tiles=True)],
+                         ids=["default", "sm80_only", "fwd_fixed_tiles"])
+def test_kernel_options_are_ffi_attributes(options):
+  """Which kernels run is in the HLO: every CUDA attention call (forward, backward and both plan
+  calls) carries the kernel options as its dictionary attribute "kernel" (other options: another
+  executable), and the mask as its attribute "mask"."""
+  want = (f"kernel = {{fwd_fixed_tiles = {str(options.fwd_fixed_tiles).lower()}, "
+          f"sm80_only = {str(options.sm80_only).lower()}}}")
+  for target, calls in _attention_calls(options).items():
+    assert calls, target
+    for line in calls:
+      assert want in line, (target, line)
+      assert "mask = {chunk_size = 0 : i64, is_causal = true" in line, (target, line)
 
 
 @pytest.mark.parametrize("mask", ["window", "causal_window"])
@@ -428,13 +456,13 @@ def test_document_tiles(row, mask):
   _compare(*_qkv(7, 2, s, s, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, **MASKS[mask])
 
 
-@pytest.mark.parametrize("fixed_tiles", ["0", "1"])
-def test_document_tiles_cross_attention(fixed_tiles, monkeypatch):
+@pytest.mark.parametrize("fixed_tiles", [False, True], ids=["document_tiles", "fixed_tiles"])
+def test_document_tiles_cross_attention(fixed_tiles):
   """Queries and keys with different documents and lengths (Sq != Skv), with document tiles and
-  with 128-row tiles from token 0 (JAXCP_FWD_FIXED_TILES=1)."""
-  monkeypatch.setenv("JAXCP_FWD_FIXED_TILES", fixed_tiles)
+  with 128-row tiles from token 0 (kernel option fwd_fixed_tiles)."""
   rng = np.random.default_rng(8)
   q_seg = random_segments(rng, 2, 900, mean_doc=120, pad_tail=False)
   kv_seg = np.sort(rng.integers(1, q_seg.max() + 1, size=(2, 1300)), axis=1).astype(np.int32)
-  _compare(*_qkv(8, 2, 900, 1300, 4, 4, 64, jnp.bfloat16), jnp.bfloat16, segment_ids=q_seg,
-           kv_segment_ids=kv_seg, local_window_size=(500, 40))
+  _compare(*_qkv(8, 2, 900, 1300, 4, 4, 64, jnp.bfloat16), jnp.bfloat16,
+           options=AttentionKernelOptions(fwd_fixed_tiles=fixed_tiles), segment_ids=q_seg, kv_segment_ids=kv_seg,
+           local_window_size=(500, 40))

@@ -4,10 +4,11 @@ The handlers declare themselves command-buffer compatible, so XLA may capture th
 graph and replay it. A child process (XLA_FLAGS are read once, at start) runs packed-document
 attention (forward, deterministic and default backward) and small-sequence attention on inputs
 A, B, A, A with command buffers forced on for fusions and custom calls, counting the handler
-calls made while XLA captured their stream into a graph (JAXCP_COUNT_CAPTURES); a second child
-runs them with command buffers off. Every result must match bit for bit (the default backward's
-up to the order of its atomic adds), so a replay that kept a pointer or a workspace value of its
-capture (the forward's tile counter, the plans) fails.
+calls made while XLA captured their stream into a graph (the CUDA module's call counters,
+switched on by set_call_counting); a second child runs them with command buffers off. Every
+result must match bit for bit (the default backward's up to the order of its atomic adds), so a
+replay that kept a pointer or a workspace value of its capture (the forward's tile counter, the
+plans) fails.
 """
 import importlib
 import os
@@ -74,6 +75,8 @@ def _program(x):
 
 def child_main(out_path):
   """Runs in a child process, with command buffers forced on (COMMAND_BUFFER_FLAGS) or off."""
+  cuda_module = importlib.import_module("jaxcp._jaxcp_cuda")
+  cuda_module.set_call_counting(True)
   fn = jax.jit(_program)
   inputs = {seed: _inputs(seed) for seed in set(RUN_SEEDS)}
   arrays = {}
@@ -81,14 +84,14 @@ def child_main(out_path):
     # Each call's outputs are copied out and freed before the next, so that a call may get the
     # last one's buffers back and XLA may replay the graph instead of capturing it again.
     arrays.update({f"run{i}_{j}": np.asarray(jnp.asarray(r, jnp.float32)) for j, r in enumerate(fn(inputs[seed]))})
-  counts = importlib.import_module("jaxcp._jaxcp_cuda").handler_call_counts()
+  counts = cuda_module.handler_call_counts()
   np.savez(out_path, **{f"calls_{t}": np.array(counts[t]) for t in TARGETS}, **arrays)
 
 
 def _run_child(tmp_path, command_buffers):
   out_path = str(tmp_path / f"command_buffers_{command_buffers}.npz")
   flags = COMMAND_BUFFER_FLAGS if command_buffers else "--xla_gpu_enable_command_buffer="
-  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip(), JAXCP_COUNT_CAPTURES="1")
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
   code = (f"import sys; sys.path.insert(0, {ROOT!r}); from tests import test_gpu_command_buffer as t; "
           f"t.child_main({out_path!r})")
   proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,

@@ -17,6 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jaxcp
+from jaxcp._src.attention.api import attention_with_options
+from jaxcp._src.kernel_options import AttentionKernelOptions
 
 from .helpers import allowed_pairs, grads_close, rows_close
 from .rounded_reference import attention_grads
@@ -70,14 +72,15 @@ def packed_batch(draw, length, orders=ORDERS):
 
 
 @functools.lru_cache(maxsize=None)
-def _runner(impl, mask_name, deterministic=False):
-  """jit(out, lse, dq, dk, dv) of one implementation and mask; cached across examples."""
+def _runner(impl, mask_name, deterministic=False, options=AttentionKernelOptions()):
+  """jit(out, lse, dq, dk, dv) of one implementation, mask and set of CUDA kernels; cached across
+  examples."""
   static = dict(MASKS[mask_name], deterministic=deterministic)
 
   def run(q, k, v, do, q_seg, q_pos, kv_seg, kv_pos):
-    f = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=q_seg, positions=q_pos, kv_segment_ids=kv_seg,
-                                        kv_positions=kv_pos, implementation=impl, return_residual=True,
-                                        **static)
+    f = lambda q, k, v: attention_with_options(q, k, v, segment_ids=q_seg, positions=q_pos, kv_segment_ids=kv_seg,
+                                               kv_positions=kv_pos, implementation=impl, return_residual=True,
+                                               kernel_options=options, **static)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return (out, lse, *vjp((do, jnp.zeros_like(lse))))
 
@@ -94,12 +97,12 @@ def _inputs(head_dim, sq, skv, dtype, hkv):
 
 
 def _check(mask_name, head_dim, q_seg, q_pos, kv_seg, kv_pos, dtype=jnp.bfloat16, hkv=HKV,
-           deterministic=False):
+           deterministic=False, options=AttentionKernelOptions()):
   args = (*_inputs(head_dim, q_seg.shape[1], kv_seg.shape[1], dtype, hkv), q_seg, q_pos, kv_seg, kv_pos)
-  got = _runner("cuda", mask_name, deterministic)(*args)
+  got = _runner("cuda", mask_name, deterministic, options)(*args)
   want = _runner("xla", mask_name)(*args)
   if deterministic:  # a second call gives the same bits
-    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, _runner("cuda", mask_name, True)(*args)):
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, _runner("cuda", mask_name, True, options)(*args)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
   (out, lse, dq, dk, dv), (r_out, r_lse, r_dq, r_dk, r_dv) = got, want
   mask = MASKS[mask_name]
@@ -123,13 +126,11 @@ def _check(mask_name, head_dim, q_seg, q_pos, kv_seg, kv_pos, dtype=jnp.bfloat16
 @pytest.mark.parametrize("kernel", ["default", "sm80"])
 @SETTINGS
 @given(batch=packed_batch(S))
-def test_random_packed_rows(mask, kernel, batch, monkeypatch):
-  """Self attention at D 128. "sm80" runs the sm_80 kernels (JAXCP_DISABLE_SM90, read at every
-  call), which an A100 runs and an H100 / H200 does not."""
-  if kernel == "sm80":
-    monkeypatch.setenv("JAXCP_DISABLE_SM90", "1")
+def test_random_packed_rows(mask, kernel, batch):
+  """Self attention at D 128. "sm80" runs the sm_80 kernels (kernel option sm80_only), which an
+  A100 runs and an H100 / H200 does not."""
   seg, pos = batch
-  _check(mask, 128, seg, pos, seg, pos)
+  _check(mask, 128, seg, pos, seg, pos, options=AttentionKernelOptions(sm80_only=kernel == "sm80"))
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])

@@ -1,5 +1,5 @@
-"""GPU tests of the two CUDA small-seq forward kernels: the tensor-core forward (the default) and
-the CUDA-core v1 forward (JAXCP_SMALL_SEQ_FWD_V1=1, read by the launcher at every launch).
+"""GPU tests of the two CUDA small-seq forward kernels: the tensor-core forward ("mma", the default)
+and the float32 CUDA-core forward ("cuda_core", chosen by SmallSeqKernelOptions(cuda_core_fwd=True)).
 
 Both must agree with each other and with the pure-JAX reference: outputs, saved probabilities,
 zero-length rows (output and probabilities exactly zero), clamped lengths / starts, key masks,
@@ -7,33 +7,37 @@ GQA groups (also over 16 heads: several head tiles), head dims 64..512, bfloat16
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxcp._src import registry
+from jaxcp._src.kernel_options import SmallSeqKernelOptions
 from jaxcp._src.small_seq.primitive import SmallSeqConfig, local_fwd
 from jaxcp._src.small_seq.reference import small_seq_reference
 
-from .helpers import padded_small_seq_index, rand, rows_close, token_mask_bits, use_kernel_variant
+from .helpers import padded_small_seq_index, rand, rows_close, token_mask_bits
 
-ENV = "JAXCP_SMALL_SEQ_FWD_V1"
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
-PAIR_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}  # new vs v1: both float32 math, rounded once
+PAIR_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}  # mma vs cuda_core: both float32 math, rounded once
 
 
-def _forward(monkeypatch, variant, q, k, v, index, config):
-  """(out, probs) as float32 numpy arrays from the named forward kernel."""
-  use_kernel_variant(monkeypatch, ENV, variant == "v1")
+def _forward(variant, q, k, v, index, config):
+  """(out, probs) as float32 numpy arrays from the named forward kernel ("mma" or "cuda_core")."""
+  config = dataclasses.replace(config, kernel=SmallSeqKernelOptions(cuda_core_fwd=variant == "cuda_core"))
+  registry.ensure_registered()  # the kernel primitives are called directly
   out, probs = jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, *index)
-  return np.asarray(out, np.float32), np.asarray(probs)  # synchronises while the env is set
+  return np.asarray(out, np.float32), np.asarray(probs)
 
 
-def _check(monkeypatch, dtype, q, k, v, index, config, valid):
+def _check(dtype, q, k, v, index, config, valid):
   """Runs both kernels; valid: bool [B, max_len], the tokens each row attends."""
   ref_out, ref_probs = small_seq_reference(q, k, v, index, config)
   ref_out, ref_probs = np.asarray(ref_out, np.float32), np.asarray(ref_probs)
-  got = {name: _forward(monkeypatch, name, q, k, v, index, config) for name in ("new", "v1")}
+  got = {name: _forward(name, q, k, v, index, config) for name in ("mma", "cuda_core")}
   empty = ~valid.any(axis=1)
   for name, (out, probs) in got.items():
     rows_close(out, ref_out, TOL[dtype], f"{name} out")
@@ -41,9 +45,9 @@ def _check(monkeypatch, dtype, q, k, v, index, config, valid):
     np.testing.assert_array_equal(probs[np.broadcast_to(~valid[:, None, :], probs.shape)], 0,
                                   err_msg=f"{name}: probabilities of tokens not attended")
     np.testing.assert_array_equal(out[empty], 0, err_msg=f"{name}: rows without a token")
-  (out, probs), (out1, probs1) = got["new"], got["v1"]
-  rows_close(out, out1, PAIR_TOL[dtype], "new vs v1 out")
-  np.testing.assert_allclose(probs, probs1, atol=5e-5, rtol=0, err_msg="new vs v1 probs")
+  (out, probs), (out1, probs1) = got["mma"], got["cuda_core"]
+  rows_close(out, out1, PAIR_TOL[dtype], "mma vs cuda_core out")
+  np.testing.assert_allclose(probs, probs1, atol=5e-5, rtol=0, err_msg="mma vs cuda_core probs")
 
 
 @pytest.mark.gpu
@@ -58,19 +62,19 @@ def _check(monkeypatch, dtype, q, k, v, index, config, valid):
     (jnp.bfloat16, 128, 3, 64, 2, 200),    # group 32: two head tiles
     (jnp.float16, 256, 16, 40, 2, 100),    # group 20: a partial second head tile
 ])
-def test_gpu_fwd_variants_padded(monkeypatch, dtype, d, s, hq, hkv, b):
+def test_gpu_fwd_variants_padded(dtype, d, s, hq, hkv, b):
   rng = np.random.default_rng(31)
   q = rand(rng, (b, hq, d), dtype)
   k, v = rand(rng, (b, s, hkv, d), dtype), rand(rng, (b, s, hkv, d), dtype)
   lengths, mask, valid = padded_small_seq_index(rng, b, s)
   config = SmallSeqConfig(d ** -0.5, s, False)
-  _check(monkeypatch, dtype, q, k, v, (jnp.asarray(lengths), jnp.asarray(mask)), config, valid)
+  _check(dtype, q, k, v, (jnp.asarray(lengths), jnp.asarray(mask)), config, valid)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d,hq,hkv", [(jnp.bfloat16, 128, 8, 8), (jnp.bfloat16, 64, 16, 4),
                                             (jnp.float16, 256, 6, 2), (jnp.bfloat16, 512, 4, 1)])
-def test_gpu_fwd_variants_ragged(monkeypatch, dtype, d, hq, hkv):
+def test_gpu_fwd_variants_ragged(dtype, d, hq, hkv):
   rng = np.random.default_rng(32)
   b = 700
   lens = rng.integers(0, 21, b)  # zero-length rows and rows over 16 tokens
@@ -88,30 +92,28 @@ def test_gpu_fwd_variants_ragged(monkeypatch, dtype, d, hq, hkv):
   ln = np.minimum(np.clip(length, 0, 16), t - st)
   valid = (np.arange(16)[None, :] < ln[:, None]) & token_mask_bits(mask, 16)
   index = tuple(jnp.asarray(x) for x in (start, length, mask))
-  _check(monkeypatch, dtype, q, k, v, index, config, valid)
+  _check(dtype, q, k, v, index, config, valid)
 
 
 @pytest.mark.gpu
-def test_gpu_fwd_variant_switch(monkeypatch):
-  """The env var really selects another kernel (their float32 sums differ in the last bits),
-  and a value of "0" keeps the default."""
+def test_gpu_fwd_variant_switch():
+  """The kernel option really selects another kernel (their float32 sums differ in the last
+  bits), and the default options run the tensor-core kernel."""
   rng = np.random.default_rng(33)
   b, s, hq, hkv, d = 2000, 16, 16, 4, 128
   q = rand(rng, (b, hq, d), jnp.bfloat16)
   k, v = rand(rng, (b, s, hkv, d), jnp.bfloat16), rand(rng, (b, s, hkv, d), jnp.bfloat16)
   index = (jnp.full((b,), s, jnp.int32), jnp.full((b,), -1, jnp.int32))
   config = SmallSeqConfig(d ** -0.5, s, False)
-  _, probs = _forward(monkeypatch, "new", q, k, v, index, config)
-  _, probs1 = _forward(monkeypatch, "v1", q, k, v, index, config)
+  _, probs = _forward("mma", q, k, v, index, config)
+  _, probs1 = _forward("cuda_core", q, k, v, index, config)
   assert not np.array_equal(probs, probs1)
-  monkeypatch.setenv(ENV, "0")
-  jax.clear_caches()
   probs0 = np.asarray(jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, *index)[1])
   np.testing.assert_array_equal(probs0, probs)
 
 
 @pytest.mark.gpu
-def test_gpu_fwd_million_rows(monkeypatch):
+def test_gpu_fwd_million_rows():
   """2^20 rows (a large grid), both kernels, against the reference."""
   rng = np.random.default_rng(34)
   b, s, hq, hkv, d = 1 << 20, 2, 2, 1, 64
@@ -122,4 +124,4 @@ def test_gpu_fwd_million_rows(monkeypatch):
   config = SmallSeqConfig(d ** -0.5, s, False)
   valid = np.arange(s)[None, :] < lengths[:, None]
   index = (jnp.asarray(lengths), jnp.asarray(mask))
-  _check(monkeypatch, jnp.bfloat16, q, k, v, index, config, valid)
+  _check(jnp.bfloat16, q, k, v, index, config, valid)

@@ -26,7 +26,7 @@
 #include "common/host_dtypes.h"
 #include "common/mask.h"
 #include "cpu/attention_cpu_kernels.h"
-#include "cuda/attention_kernels.h"
+#include "cuda/attention/launchers.h"
 
 using namespace jaxcp;
 using jaxcp::cuda::DType;

@@ -14,11 +14,10 @@
 # kernel wrote as never written. It does not see writes by the TMA engine either
 # (tools/initcheck_tma_probe.cu shows it), and the sm_90a forward stores O by TMA, so the
 # backward's pre-pass would seem to read O unwritten. initcheck therefore runs the attention case
-# on the sm_80 kernels (JAXCP_DISABLE_SM90=1), forward and backward, and on the sm_90a forward
+# on the sm_80 kernels (sanitizer_case.py --sm80), forward and backward, and on the sm_90a forward
 # alone. (The sm_90a backward loads its operands by TMA, which initcheck does not check anyway.)
 # racecheck counts a thread's accesses as ordered after an mbarrier wait only if that thread
-# waited itself; a __syncwarp after another lane's wait does not count (benchmarks/README.md,
-# session 33).
+# waited itself; a __syncwarp after another lane's wait does not count.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_results}"
@@ -30,14 +29,14 @@ tools=("$@")
 read -r -a dims <<< "${JAXCP_SANITIZE_DIMS:-}"
 rc=0
 
-# run <tool> <case> <log name> [env ...]: one compute-sanitizer run; prints its summary line and
-# leaves its exit status in $status and its log's path in $log. Case attention_fwd: the
-# attention case's forward alone.
+# run <tool> <case> <log name>: one compute-sanitizer run; prints its summary line and leaves its
+# exit status in $status and its log's path in $log. Cases: attention (forward and backwards),
+# attention_fwd (the forward alone), attention_sm80 (both on the sm_80 kernels), small_seq.
 run() {
   local tool=$1 case=$2 name=$3 script=tools/sanitizer_case.py
-  shift 3
   local args=("${dims[@]}") flags=(--kernel-name kns=jaxcp)
   [[ "$case" == attention_fwd ]] && args+=(--forward)
+  [[ "$case" == attention_sm80 ]] && args+=(--sm80)
   [[ "$case" == small_seq ]] && { script=tools/sanitizer_small_seq_case.py; args=(); }
   # initcheck: every kernel, one line per report (a full backtrace each makes thousands slow).
   [[ "$tool" == initcheck ]] && flags=(--print-limit 0 --show-backtrace no)
@@ -47,11 +46,11 @@ run() {
   local t0=$SECONDS
   local try
   for try in 1 2; do
-    env "$@" timeout "${JAXCP_SANITIZE_TIMEOUT:-500}" compute-sanitizer --tool "$tool" "${flags[@]}" \
+    timeout "${JAXCP_SANITIZE_TIMEOUT:-500}" compute-sanitizer --tool "$tool" "${flags[@]}" \
       --error-exitcode 9 python3 "$script" "${args[@]}" > "$log" 2>&1
     status=$?
-    # compute-sanitizer itself segfaults now and then (the kernel log names it, not python; an
-    # H200 in session 33): once more, then it counts.
+    # compute-sanitizer itself segfaults now and then (the kernel log names it, not python): once
+    # more, then it counts.
     [[ $status -eq 139 && $try -eq 1 ]] && { echo "$name: compute-sanitizer crashed (139), once more"; continue; }
     break
   done
@@ -62,7 +61,7 @@ run() {
 
 for tool in "${tools[@]}"; do
   runs=("attention ${tool}_attention" "small_seq ${tool}_small_seq")
-  [[ "$tool" == initcheck ]] && runs=("attention initcheck_attention_sm80 JAXCP_DISABLE_SM90=1"
+  [[ "$tool" == initcheck ]] && runs=("attention_sm80 initcheck_attention_sm80"
                                       "attention_fwd initcheck_attention_fwd_sm90" "small_seq initcheck_small_seq")
   for r in "${runs[@]}"; do
     read -r -a words <<< "$r"

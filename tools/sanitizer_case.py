@@ -1,6 +1,7 @@
 """Packed-attention forward+backward (and its deterministic backward) for compute-sanitizer (no
 XLA autotuning noise). Head dims from the command line, default all; D:DV gives V a head dim of
-its own; --forward runs the forwards alone: python3 sanitizer_case.py [--forward] 192 192:128
+its own; --forward runs the forwards alone; --sm80 runs the sm_80 kernels (the private kernel
+option sm80_only), as an A100 would: python3 sanitizer_case.py [--forward] [--sm80] 192 192:128
 
 Two shapes per head dim:
 - short: 2 rows of 250 tokens (five documents, one of a single token; row 1 padded from 200),
@@ -18,12 +19,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import jaxcp  # noqa: E402
+from jaxcp._src.attention.api import attention_with_options  # noqa: E402
+from jaxcp._src.kernel_options import AttentionKernelOptions  # noqa: E402
 
+FLAGS = ("--forward", "--sm80")
 forward_only = "--forward" in sys.argv
+kernel_options = AttentionKernelOptions(sm80_only="--sm80" in sys.argv)
 # 96, 192: sm_90a's own tiles; 192:128, multi-head latent attention's (V 128 in the sm_90a kernels).
 dims = [tuple(int(x) for x in (a + ":" + a.split(":")[0]).split(":")[:2])
-        for a in [a for a in sys.argv[1:] if a != "--forward"] or ("64", "96", "128", "192", "256", "192:128")]
+        for a in [a for a in sys.argv[1:] if a not in FLAGS] or ("64", "96", "128", "192", "256", "192:128")]
 
 short_seg = np.repeat(np.arange(1, 6, dtype=np.int32), [1, 70, 33, 100, 46])[None].repeat(2, 0)
 short_seg[1, 200:] = 0
@@ -43,8 +47,8 @@ for seg, q_heads, window in shapes:
       do = jax.random.normal(jax.random.fold_in(key, 3), (b, s, q_heads, dv), jnp.bfloat16)
 
       def attend(q, k, v, seg=seg, window=window, deterministic=deterministic):
-        return jaxcp.attention(q, k, v, segment_ids=seg, is_causal=True, local_window_size=window,
-                               deterministic=deterministic)
+        return attention_with_options(q, k, v, segment_ids=seg, is_causal=True, local_window_size=window,
+                                      deterministic=deterministic, kernel_options=kernel_options)
       f = jax.jit(attend if forward_only else lambda q, k, v: jax.vjp(attend, q, k, v)[1](do))
       jax.block_until_ready(f(q, k, v))
 print("sanitizer case done")

@@ -1,24 +1,21 @@
 // The one FFI signature of the attention handlers, shared by the CPU and CUDA modules so the
 // two can never drift apart (the Python lowering passes operands, results and attributes in
 // this order). Platform context (e.g. the CUDA stream) is bound before these. The CUDA handlers
-// bind one operand more after these, the tile plan (ffi/cuda/attention_cuda.cc): the last
-// operand, and the handler's last parameter (operands, results and attributes are decoded apart).
+// (ffi/cuda/attention/handlers.cc) bind two more after these: the attribute "kernel" (the kernel
+// options) and the operand "plan" (the tile plan), the handler's last parameters (operands,
+// results and attributes are decoded apart, attributes by name).
 #pragma once
 #include <utility>
 
+#include "ffi_attrs.h"
 #include "ffi_helpers.h"
 
 namespace jaxcp {
 
-// The mask and scale attributes that every attention handler takes (MaskSpec.ffi_attrs + scale).
+// The attribute every attention handler takes: "mask", the mask rules and the scale (MaskAttrs).
 template <typename Binding>
 auto bind_mask_attrs(Binding b) {
-  return std::move(b)
-      .template Attr<bool>("is_causal")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<int64_t>("chunk_size")
-      .template Attr<float>("scale");
+  return std::move(b).template Attr<MaskAttrs>("mask");
 }
 
 // fwd: q, k, v, q_seg, q_pos, kv_seg, kv_pos -> out, lse, workspace.

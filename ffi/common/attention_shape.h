@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 
+#include "kernel_options.h"
 #include "mask.h"
 
 namespace jaxcp {
@@ -21,6 +22,7 @@ struct AttentionArgs {
   MaskParams mask;
   float scale = 1.0f;
   bool deterministic = false;
+  AttentionKernelOptions kernel;  // which CUDA kernels run (the CPU has one kernel)
 };
 
 }  // namespace jaxcp

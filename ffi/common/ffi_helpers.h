@@ -100,18 +100,4 @@ ffi::Error check_bwd_operands(const AttentionShape& s, const Buf& out, const Buf
   return check_token_arrays(s, q_seg, q_pos, kv_seg, kv_pos);
 }
 
-inline AttentionArgs attention_args(const AttentionShape& shape, bool causal, int64_t window_left,
-                                    int64_t window_right, int64_t chunk_size, float scale,
-                                    bool deterministic) {
-  AttentionArgs a;
-  a.shape = shape;
-  a.mask.causal = causal;
-  a.mask.window_left = window_left;
-  a.mask.window_right = window_right;
-  a.mask.chunk_size = chunk_size;
-  a.scale = scale;
-  a.deterministic = deterministic;
-  return a;
-}
-
 }  // namespace jaxcp

@@ -2,9 +2,9 @@
 // run the reference kernels, convert back.
 #include <vector>
 
-#include "../common/attention_binding.h"
-#include "../common/ffi_helpers.h"
-#include "../common/host_dtypes.h"
+#include "common/attention_binding.h"
+#include "common/ffi_helpers.h"
+#include "common/host_dtypes.h"
 #include "attention_cpu_kernels.h"
 #include "cpu_handlers.h"
 
@@ -67,14 +67,12 @@ ffi::Error AttentionFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<f
                             ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
                             ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> out,
                             ffi::ResultBuffer<ffi::F32> lse, ffi::Result<AnyBuffer> /*workspace*/,
-                            bool is_causal, int64_t window_left,
-                            int64_t window_right, int64_t chunk_size, float scale) {
+                            MaskAttrs mask) {
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
   if (auto e = value_dim_from(v, &shape); e.failure()) return e;
   if (auto e = check_fwd_operands(shape, *out, *lse, q_seg, q_pos, kv_seg, kv_pos); e.failure()) return e;
-  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right,
-                                         chunk_size, scale, /*deterministic=*/true);
+  const AttentionArgs a = attention_args(shape, mask, /*deterministic=*/true);
   std::vector<float> qf, kf, vf, of(out->element_count());
   if (auto e = all_to_float32({{&q, &qf}, {&k, &kf}, {&v, &vf}}); e.failure()) return e;
   attention_fwd(a, qf.data(), kf.data(), vf.data(), q_seg.typed_data(), q_pos.typed_data(),
@@ -89,17 +87,14 @@ ffi::Error AttentionBwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer out
                             ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
                             ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
                             ffi::Result<AnyBuffer> dv, ffi::Result<AnyBuffer> /*workspace*/,
-                            bool is_causal, int64_t window_left,
-                            int64_t window_right, int64_t chunk_size, float scale,
-                            bool deterministic) {
+                            MaskAttrs mask, bool deterministic) {
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
   if (auto e = value_dim_from(v, &shape); e.failure()) return e;
   if (auto e = check_bwd_operands(shape, out, dout, lse, dlse, *dq, *dk, *dv, q_seg, q_pos, kv_seg, kv_pos);
       e.failure())
     return e;
-  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right,
-                                         chunk_size, scale, deterministic);
+  const AttentionArgs a = attention_args(shape, mask, deterministic);
   std::vector<float> qf, kf, vf, of, dof;
   if (auto e = all_to_float32({{&q, &qf}, {&k, &kf}, {&v, &vf}, {&out, &of}, {&dout, &dof}});
       e.failure())

@@ -1,14 +1,11 @@
 // XLA FFI handlers (platform "cpu") for small-sequence attention: convert to float32, run the
-// reference kernels of small_seq_cpu_kernels.h, convert back.
-//
-// fwd: q [B,Hq,D], k/v [T,Hkv,D], kv_start/kv_len/kv_mask int32 [B]
-//      -> out [B,Hq,D] (q's dtype), probs float32 [B,Hq,max_len]; attrs max_len, scale.
-// bwd: q, k, v, probs, dout, kv_start, kv_len, kv_mask -> dq, dk, dv.
+// reference kernels of small_seq_cpu_kernels.h, convert back. Signature: common/small_seq_binding.h.
 #include <string>
 #include <vector>
 
-#include "../common/ffi_helpers.h"
-#include "../common/small_seq_checks.h"
+#include "common/ffi_helpers.h"
+#include "common/small_seq_binding.h"
+#include "common/small_seq_checks.h"
 #include "cpu_handlers.h"
 #include "small_seq_cpu_kernels.h"
 
@@ -80,30 +77,7 @@ namespace ffi = xla::ffi;
 using xla::ffi::AnyBuffer;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_small_seq_fwd, jaxcp::cpu::SmallSeqFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<AnyBuffer>()                  // q
-                                  .Arg<AnyBuffer>()                  // k
-                                  .Arg<AnyBuffer>()                  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_len
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_mask
-                                  .Ret<AnyBuffer>()                  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()      // probs
-                                  .Attr<int64_t>("max_len")
-                                  .Attr<float>("scale"));
+                              jaxcp::bind_small_seq_fwd(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cpu_small_seq_bwd, jaxcp::cpu::SmallSeqBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<AnyBuffer>()                  // q
-                                  .Arg<AnyBuffer>()                  // k
-                                  .Arg<AnyBuffer>()                  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()      // probs
-                                  .Arg<AnyBuffer>()                  // dout
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_len
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_mask
-                                  .Ret<AnyBuffer>()                  // dq
-                                  .Ret<AnyBuffer>()                  // dk
-                                  .Ret<AnyBuffer>()                  // dv
-                                  .Attr<int64_t>("max_len")
-                                  .Attr<float>("scale"));
+                              jaxcp::bind_small_seq_bwd(ffi::Ffi::Bind()));

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import compat, cuda_capabilities, masks, registry
+from ..kernel_options import AttentionKernelOptions, check_options
 from ..primitive_utils import choose_implementation
 from ..small_seq.api import small_seq_eligible, small_seq_from_attention
 from . import context_parallel as cp_lib
@@ -90,13 +91,15 @@ def _kernel_attention_bwd(config, widths, residuals, cotangents):
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
-def _kernel_head_dims(impl, d, dv, scale, deterministic):
+def _kernel_head_dims(impl, d, dv, config):
   """((head dim, value head dim) of the forward kernels, (the same) of the backward's) for head
-  dims d and dv: themselves on the CPU; on CUDA the next the kernels have tiles for on this device
-  (cuda_capabilities.cuda_kernel_head_dims)."""
+  dims d and dv: themselves on the CPU; on CUDA the next that the kernels chosen for this device
+  and config.kernel have tiles for (cuda_capabilities.cuda_kernel_head_dims)."""
   if impl != "cuda":
     return (d, dv), (d, dv)
-  return tuple(cuda_capabilities.cuda_kernel_head_dims(direction, d, dv, scale, deterministic) for direction in ("fwd", "bwd"))
+  return tuple(cuda_capabilities.cuda_kernel_head_dims(direction, d, dv, config.scale, config.deterministic,
+                                                       config.kernel)
+               for direction in ("fwd", "bwd"))
 
 
 def _pad_head_dim(x, width):
@@ -163,6 +166,27 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
   Returns:
     out [B, Sq, Hq, Dv] in query's dtype, or (out, lse) with return_residual=True.
   """
+  return _attention(query, key, value, segment_ids=segment_ids, positions=positions, kv_segment_ids=kv_segment_ids,
+                    kv_positions=kv_positions, cu_seqlens=cu_seqlens, is_causal=is_causal,
+                    local_window_size=local_window_size, chunk_size=chunk_size, scale=scale,
+                    context_parallel=context_parallel, context_parallel_axis=context_parallel_axis,
+                    implementation=implementation, deterministic=deterministic, return_residual=return_residual,
+                    kernel_options=AttentionKernelOptions())
+
+
+def attention_with_options(query, key, value, *, kernel_options: AttentionKernelOptions, **kwargs):
+  """`jaxcp.attention` (same keyword arguments) with CUDA kernels picked by `kernel_options`
+  (private: tests and measurements; see kernel_options.py). E.g. the sm_80 kernels on Hopper:
+  ``attention_with_options(q, k, v, is_causal=True, kernel_options=AttentionKernelOptions(sm80_only=True))``.
+  Calls routed to the small-sequence kernel (one query, at most 16 keys) keep its default kernels."""
+  return _attention(query, key, value, kernel_options=check_options(kernel_options, AttentionKernelOptions), **kwargs)
+
+
+def _attention(query, key, value, *, segment_ids=None, positions=None, kv_segment_ids=None,
+               kv_positions=None, cu_seqlens=None, is_causal=False, local_window_size=None,
+               chunk_size=None, scale=None, context_parallel="auto", context_parallel_axis=None,
+               implementation=None, deterministic=False, return_residual=False,
+               kernel_options=AttentionKernelOptions()):
   _check_qkv(query, key, value)
   b, sq, hq, d = query.shape
   dv = value.shape[3]
@@ -196,7 +220,8 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
     out, lse = attention_reference(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, float(scale))
   else:
     registry.ensure_registered()
-    config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis)
-    widths = _kernel_head_dims(impl, d, dv, float(scale), deterministic)
+    config = AttentionConfig(spec, float(scale), deterministic, context_parallel, context_parallel_axis,
+                             kernel_options)
+    widths = _kernel_head_dims(impl, d, dv, config)
     out, lse = _kernel_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, config, widths)
   return (out, lse) if return_residual else out

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import compat, cuda_capabilities
+from ..kernel_options import AttentionKernelOptions
 from ..mask_spec import MaskSpec
 from ..primitive_utils import make_primitive, register_ffi_lowering
 
@@ -31,12 +32,19 @@ class AttentionConfig:
   deterministic: bool = False
   context_parallel: object = "auto"     # "auto" | "all_gather" | "ring" | a DocumentPlacement
   context_parallel_axis: str | None = None  # explicit axis inside shard_map
+  kernel: AttentionKernelOptions = AttentionKernelOptions()  # which CUDA kernels run
 
   def ffi_attrs(self, with_deterministic: bool) -> dict:
-    attrs = dict(self.mask.ffi_attrs(), scale=np.float32(self.scale))
+    """The attention handlers' attributes on every platform (ffi/common/attention_binding.h):
+    the mask and scale as one dictionary, and the backward's deterministic flag."""
+    attrs = {"mask": dict(self.mask.ffi_attrs(), scale=np.float32(self.scale))}
     if with_deterministic:
       attrs["deterministic"] = bool(self.deterministic)
     return attrs
+
+  def cuda_ffi_attrs(self, with_deterministic: bool) -> dict:
+    """The CUDA handlers' (plan handlers too): those of ffi_attrs and the kernel options."""
+    return dict(self.ffi_attrs(with_deterministic), kernel=self.kernel.ffi_attrs())
 
 
 # ---------------------------------------------------------------- kernel primitives
@@ -83,13 +91,13 @@ def _register_cuda_lowering(primitive, direction, target):
   def lower(ctx, *args, config, **_):
     q, k, v = ctx.avals_in[:3]
     tokens = ctx.avals_in[-4:]
-    mask_attrs = config.ffi_attrs(with_deterministic)
-    plan_bytes = cuda_capabilities.attention_plan_bytes(direction, q.shape, k.shape, config.mask, config.deterministic)
+    attrs = config.cuda_ffi_attrs(with_deterministic)
+    plan_bytes = cuda_capabilities.attention_plan_bytes(direction, q.shape, k.shape, config)
     plan_aval = compat.derived_aval(tokens[0], (plan_bytes,), jnp.uint8, (None,))
     (plan,) = plan_rule(ctx.replace(avals_in=tokens, avals_out=[plan_aval]), *args[-4:],
                         q_heads=np.int64(q.shape[2]), kv_heads=np.int64(k.shape[2]),
-                        head_dim=np.int64(q.shape[3]), v_head_dim=np.int64(v.shape[3]), **mask_attrs)
-    return kernel_rule(ctx.replace(avals_in=[*ctx.avals_in, plan_aval]), *args, plan, **mask_attrs)
+                        head_dim=np.int64(q.shape[3]), v_head_dim=np.int64(v.shape[3]), **attrs)
+    return kernel_rule(ctx.replace(avals_in=[*ctx.avals_in, plan_aval]), *args, plan, **attrs)
 
   compat.mlir.register_lowering(primitive, lower, platform="cuda")
 
@@ -100,7 +108,7 @@ _register_cuda_lowering(attention_bwd_kernel_p, "bwd", BWD_TARGET)
 
 def fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
   """Unpartitioned forward on local arrays: (out, lse)."""
-  ws = cuda_capabilities.attention_workspace_bytes("fwd", q.shape, k.shape, config.mask, config.deterministic)
+  ws = cuda_capabilities.attention_workspace_bytes("fwd", q.shape, k.shape, config)
   out, lse, _ = attention_fwd_kernel_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config,
                                             workspace_bytes=ws)
   return out, lse
@@ -108,7 +116,7 @@ def fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
 
 def bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config):
   """Unpartitioned backward on local arrays: (dq, dk, dv)."""
-  ws = cuda_capabilities.attention_workspace_bytes("bwd", q.shape, k.shape, config.mask, config.deterministic)
+  ws = cuda_capabilities.attention_workspace_bytes("bwd", q.shape, k.shape, config)
   dq, dk, dv, _ = attention_bwd_kernel_p.bind(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg,
                                               kv_pos, config=config, workspace_bytes=ws)
   return dq, dk, dv

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import registry
+from ..kernel_options import SmallSeqKernelOptions, check_options
 from ..masks import allowed_pairs
 from ..primitive_utils import CUDA_DTYPES, check_int_array, choose_implementation
 from . import sharding  # noqa: F401  (gives the primitives their partitioned lowering)
@@ -121,6 +122,20 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
   Sharding: under jit with NamedSharding inputs, the batch axis (padded layout) and the head axis
   (when Hq and Hkv both divide by its size) shard with no collective; otherwise they replicate.
   """
+  return _small_seq_attention(query, key, value, kv_lengths=kv_lengths, kv_cu_seqlens=kv_cu_seqlens, scale=scale,
+                              implementation=implementation, kernel_options=SmallSeqKernelOptions())
+
+
+def small_seq_attention_with_options(query, key, value, *, kernel_options: SmallSeqKernelOptions, **kwargs):
+  """`jaxcp.small_seq_attention` (same keyword arguments) with CUDA kernels picked by
+  `kernel_options` (private: tests and measurements; see kernel_options.py), e.g.
+  ``kernel_options=SmallSeqKernelOptions(cuda_core_fwd=True)``."""
+  return _small_seq_attention(query, key, value, kernel_options=check_options(kernel_options, SmallSeqKernelOptions),
+                              **kwargs)
+
+
+def _small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=None, scale=None,
+                         implementation=None, kernel_options=SmallSeqKernelOptions()):
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
       raise ValueError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}.")
@@ -176,7 +191,7 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
   impl = choose_implementation(implementation, query.dtype, d, _CUDA_HEAD_DIMS)
   mask = jnp.full((b,), _ALL_TOKENS, jnp.int32)
   index = (start, length, mask) if ragged else (length, mask)
-  config = SmallSeqConfig(scale, max_len, ragged)
+  config = SmallSeqConfig(scale, max_len, ragged, kernel_options)
   return _run(query, key, value, index, config, impl)
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import compat
+from ..kernel_options import SmallSeqKernelOptions
 from ..primitive_utils import make_primitive, register_ffi_lowering
 
 FWD_TARGET = "jaxcp_small_seq_fwd"
@@ -31,13 +32,20 @@ class SmallSeqConfig:
 
   ragged: key/value are [T, Hkv, D] and the index arrays are (kv_start, kv_len, kv_mask);
   otherwise they are [B, S, Hkv, D] and the index arrays are (kv_len, kv_mask).
+  kernel: which CUDA kernels run (kernel_options.py).
   """
   scale: float
   max_len: int
   ragged: bool
+  kernel: SmallSeqKernelOptions = SmallSeqKernelOptions()
 
   def ffi_attrs(self) -> dict:
+    """The small-seq handlers' attributes on every platform (ffi/common/small_seq_binding.h)."""
     return dict(max_len=np.int64(self.max_len), scale=np.float32(self.scale))
+
+  def cuda_ffi_attrs(self) -> dict:
+    """The CUDA handlers': those of ffi_attrs and the kernel options."""
+    return dict(self.ffi_attrs(), kernel=self.kernel.ffi_attrs())
 
   @property
   def num_index(self) -> int:
@@ -61,8 +69,9 @@ def _kbwd_abstract(q, k, v, probs, dout, start, length, mask, *, config):
 
 small_seq_fwd_kernel_p = make_primitive("jaxcp_small_seq_fwd_kernel", _kfwd_abstract)
 small_seq_bwd_kernel_p = make_primitive("jaxcp_small_seq_bwd_kernel", _kbwd_abstract)
-register_ffi_lowering(small_seq_fwd_kernel_p, FWD_TARGET, lambda config: config.ffi_attrs())
-register_ffi_lowering(small_seq_bwd_kernel_p, BWD_TARGET, lambda config: config.ffi_attrs())
+for _kernel_p, _target in ((small_seq_fwd_kernel_p, FWD_TARGET), (small_seq_bwd_kernel_p, BWD_TARGET)):
+  register_ffi_lowering(_kernel_p, _target, lambda config: config.ffi_attrs(), platforms=("cpu",))
+  register_ffi_lowering(_kernel_p, _target, lambda config: config.cuda_ffi_attrs(), platforms=("cuda",))
 
 
 def _flat_kv(k, v, index, config):

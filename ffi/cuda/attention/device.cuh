@@ -1,6 +1,6 @@
-// Device-side building blocks shared by the attention kernels (private to ffi/cuda/*.cu):
+// Device-side building blocks shared by the attention kernels (private to ffi/cuda/attention/):
 // tile configuration, CuTe GEMM helpers, per-element mask evaluation, workspace layout, and the
-// declarations of the tile-plan launchers (attention_plan_kernels.cu).
+// declarations of the tile-plan launchers (plan.cu, doc_tiles.cu).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -15,9 +15,9 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
-#include "../common/attention_shape.h"
-#include "../common/mask.h"
-#include "attention_kernels.h"
+#include "common/attention_shape.h"
+#include "common/mask.h"
+#include "launchers.h"
 
 namespace jaxcp::cuda {
 
@@ -59,7 +59,7 @@ struct WorkspaceLayout {
 // Range [x, y) of partner tiles that are not skipped, per tile (x >= y: none).
 using TileRange = int2;
 
-// Tile plan launchers (attention_plan_kernels.cu). All enqueue on `stream` only.
+// Tile plan launchers (plan.cu). All enqueue on `stream` only.
 // The tokens behind one side's tile summaries: [B, len] segment ids / positions, tiles of `tile`.
 struct TileTokens {
   const int32_t* seg;
@@ -90,7 +90,7 @@ constexpr int kDecreasingIndexOrder = -1;
 cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int index_order_max_work, int* order,
                                  cudaStream_t stream);
 
-// Document-aligned query tiles of the sm_90a forward (attention_doc_tiles_kernels.cu): rows
+// Document-aligned query tiles of the sm_90a forward (doc_tiles.cu): rows
 // [q0, q0 + rows) of batch row b (rows <= kFwdBlockM), their summary, and the keys
 // [kv_lo, kv_hi) that any of them may attend (kv_lo == kv_hi: none).
 struct alignas(16) DocTile {
@@ -113,16 +113,15 @@ struct DocTileWorkspace {
   DocTile* tiles;
 };
 // Builds the plan for queries `q` against keys `kv` (kv.tile = the kernel's block N, n_kv_tiles
-// of them). fixed_grid: tiles of kFwdBlockM rows from token 0 (a development aid:
-// JAXCP_FWD_FIXED_TILES=1).
+// of them). fixed_grid: tiles of kFwdBlockM rows from token 0 (AttentionKernelOptions::
+// fwd_fixed_tiles, for measuring what document tiles gain).
 cudaError_t launch_doc_tile_plan(const TileTokens& q, int64_t n_kv_tiles,
                                  const TileTokens& kv, int64_t batch, const MaskParams& mask, bool fixed_grid,
                                  const DocTileWorkspace& ws, cudaStream_t stream);
 
-// Whether the current device is sm_90 and runs this build's sm_90a images (cached per device),
-// and whether JAXCP_DISABLE_SM90 (non-empty, not "0") forces the sm_80 kernels.
+// Whether the current device is sm_90 and runs this build's sm_90a images (cached per device;
+// fwd_sm90.cu).
 bool sm90_kernels_available();
-bool sm90_disabled_by_env();
 
 // Multiprocessors of the current device (132 when the query fails).
 int multiprocessor_count();

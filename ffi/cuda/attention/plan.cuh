@@ -1,9 +1,9 @@
-// Device helpers shared by the tile-plan kernels (attention_plan_kernels.cu,
-// attention_doc_tiles_kernels.cu); private to ffi/cuda/*.cu.
+// Device helpers shared by the tile-plan kernels (plan.cu, doc_tiles.cu); private to
+// ffi/cuda/attention/.
 #pragma once
 #include <climits>
 
-#include "attention_device.cuh"
+#include "device.cuh"
 
 namespace jaxcp::cuda::detail {
 

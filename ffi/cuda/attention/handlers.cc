@@ -1,21 +1,21 @@
 // XLA FFI handlers (platform "CUDA") for packed-document attention. Same binding as the CPU
-// handlers (ffi/cpu/attention_cpu.cc), plus the stream from the FFI context and the tile plan
-// operand. The plan handlers (jaxcp_attention_<fwd|bwd>_plan) build the plan from the token
-// arrays alone, so XLA can merge the plan calls of layers that share segment ids and positions
-// into one. The workspace is the last result buffer, sized at trace time by the module's
-// *_workspace_bytes functions (the plan's by *_plan_bytes): an XLA-owned buffer keeps its address
-// under CUDA-graph (command buffer) capture, which a per-call scratch allocation would not. Host
-// code only: validation and kernel launches (ffi/cuda/attention_kernels.h). No
-// synchronisation, no host-device copies.
+// handlers (common/attention_binding.h), plus the stream from the FFI context, the kernel options
+// (attribute "kernel": which kernels run) and the tile plan operand. The plan handlers
+// (jaxcp_attention_<fwd|bwd>_plan) build the plan from the token arrays alone, so XLA can merge
+// the plan calls of layers that share segment ids and positions into one. The workspace is the
+// last result buffer, sized at trace time by the module's *_workspace_bytes functions (the plan's
+// by *_plan_bytes): an XLA-owned buffer keeps its address under CUDA-graph (command buffer)
+// capture, which a per-call scratch allocation would not. Host code only: validation and kernel
+// launches (launchers.h). No synchronisation, no host-device copies.
 #include <cuda_runtime.h>
 
 #include <string>
 
-#include "../common/attention_binding.h"
-#include "../common/ffi_helpers.h"
-#include "attention_kernels.h"
-#include "capture_counts.h"
-#include "cuda_handlers.h"
+#include "common/attention_binding.h"
+#include "common/ffi_helpers.h"
+#include "launchers.h"
+#include "cuda/call_counts.h"
+#include "cuda/cuda_handlers.h"
 
 namespace jaxcp::cuda {
 namespace {
@@ -108,15 +108,14 @@ template <bool kFwd>
 ffi::Error plan_impl(cudaStream_t stream, const ffi::Buffer<ffi::S32>& q_seg, const ffi::Buffer<ffi::S32>& q_pos,
                      const ffi::Buffer<ffi::S32>& kv_seg, const ffi::Buffer<ffi::S32>& kv_pos,
                      ffi::Result<AnyBuffer>& plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                     int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
-                     int64_t chunk_size, float scale, bool deterministic) {
+                     int64_t v_head_dim, const MaskAttrs& mask, const AttentionKernelOptions& kernel,
+                     bool deterministic) {
   count_call(kFwd ? Handler::kAttentionFwdPlan : Handler::kAttentionBwdPlan, stream);
   AttentionShape shape;
   if (auto e = plan_shape_from(q_seg, q_pos, kv_seg, kv_pos, q_heads, kv_heads, head_dim, v_head_dim, &shape);
       e.failure())
     return e;
-  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size, scale,
-                                         kFwd || deterministic);  // as the attention handlers set it
+  const AttentionArgs a = attention_args(shape, mask, kFwd || deterministic, kernel);  // as the attention handlers set it
   const bool supported = kFwd ? attention_fwd_head_dim_supported(a) : attention_bwd_head_dim_supported(a);
   if (auto e = check_head_dims(shape, supported); e.failure()) return e;
   void* buf = nullptr;
@@ -132,19 +131,18 @@ ffi::Error plan_impl(cudaStream_t stream, const ffi::Buffer<ffi::S32>& q_seg, co
 ffi::Error AttentionFwdPlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
                                 ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
                                 ffi::Result<AnyBuffer> plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
-                                int64_t chunk_size, float scale) {
+                                int64_t v_head_dim, MaskAttrs mask, AttentionKernelOptions kernel) {
   return plan_impl<true>(stream, q_seg, q_pos, kv_seg, kv_pos, plan, q_heads, kv_heads, head_dim, v_head_dim,
-                         is_causal, window_left, window_right, chunk_size, scale, /*deterministic=*/true);
+                         mask, kernel, /*deterministic=*/true);
 }
 
 ffi::Error AttentionBwdPlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos,
                                 ffi::Buffer<ffi::S32> kv_seg, ffi::Buffer<ffi::S32> kv_pos,
                                 ffi::Result<AnyBuffer> plan, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t v_head_dim, bool is_causal, int64_t window_left, int64_t window_right,
-                                int64_t chunk_size, float scale, bool deterministic) {
+                                int64_t v_head_dim, MaskAttrs mask, AttentionKernelOptions kernel,
+                                bool deterministic) {
   return plan_impl<false>(stream, q_seg, q_pos, kv_seg, kv_pos, plan, q_heads, kv_heads, head_dim, v_head_dim,
-                          is_causal, window_left, window_right, chunk_size, scale, deterministic);
+                          mask, kernel, deterministic);
 }
 
 ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
@@ -152,8 +150,7 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
                             ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
                             ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> out,
                             ffi::ResultBuffer<ffi::F32> lse, ffi::Result<AnyBuffer> workspace,
-                            bool is_causal, int64_t window_left,
-                            int64_t window_right, int64_t chunk_size, float scale, AnyBuffer plan) {
+                            MaskAttrs mask, AttentionKernelOptions kernel, AnyBuffer plan) {
   count_call(Handler::kAttentionFwd, stream);
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
@@ -161,8 +158,7 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
   DType dtype;
   if (auto e = same_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&(*out), "out"}}, &dtype); e.failure())
     return e;
-  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
-                                         scale, /*deterministic=*/true);
+  const AttentionArgs a = attention_args(shape, mask, /*deterministic=*/true, kernel);
   if (auto e = check_head_dims(shape, attention_fwd_head_dim_supported(a)); e.failure()) return e;
   if (auto e = check_fwd_operands(shape, *out, *lse, q_seg, q_pos, kv_seg, kv_pos); e.failure()) return e;
   const size_t ws_bytes = attention_fwd_workspace_bytes(a);
@@ -184,9 +180,8 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
                             ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
                             ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> dq,
                             ffi::Result<AnyBuffer> dk, ffi::Result<AnyBuffer> dv,
-                            ffi::Result<AnyBuffer> workspace, bool is_causal,
-                            int64_t window_left, int64_t window_right, int64_t chunk_size,
-                            float scale, bool deterministic, AnyBuffer plan) {
+                            ffi::Result<AnyBuffer> workspace, MaskAttrs mask, bool deterministic,
+                            AttentionKernelOptions kernel, AnyBuffer plan) {
   count_call(Handler::kAttentionBwd, stream);
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
@@ -197,8 +192,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
                           &dtype);
       e.failure())
     return e;
-  const AttentionArgs a = attention_args(shape, is_causal, window_left, window_right, chunk_size,
-                                         scale, deterministic);
+  const AttentionArgs a = attention_args(shape, mask, deterministic, kernel);
   if (auto e = check_head_dims(shape, attention_bwd_head_dim_supported(a)); e.failure()) return e;
   if (auto e = check_bwd_operands(shape, out, dout, lse, dlse, *dq, *dk, *dv, q_seg, q_pos, kv_seg, kv_pos);
       e.failure())
@@ -226,7 +220,7 @@ using xla::ffi::AnyBuffer;
 namespace {
 
 // plan: q_seg, q_pos, kv_seg, kv_pos -> plan (uint8); attributes: the attention call's heads, head
-// dims, mask and scale (and, for the backward's, deterministic).
+// dims, mask and kernel options (and, for the backward's, deterministic).
 template <typename Binding>
 auto bind_attention_plan(Binding b) {
   return jaxcp::bind_mask_attrs(std::move(b)
@@ -238,7 +232,8 @@ auto bind_attention_plan(Binding b) {
                                     .template Attr<int64_t>("q_heads")
                                     .template Attr<int64_t>("kv_heads")
                                     .template Attr<int64_t>("head_dim")
-                                    .template Attr<int64_t>("v_head_dim"));
+                                    .template Attr<int64_t>("v_head_dim"))
+      .template Attr<jaxcp::AttentionKernelOptions>("kernel");
 }
 
 auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
@@ -253,9 +248,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd_plan, jaxcp::cuda::Attent
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_fwd, jaxcp::cuda::AttentionFwdImpl,
-                              jaxcp::bind_attention_fwd(cuda_bind()).Arg<AnyBuffer>(),  // + plan
+                              jaxcp::bind_attention_fwd(cuda_bind())
+                                  .Attr<jaxcp::AttentionKernelOptions>("kernel")
+                                  .Arg<AnyBuffer>(),  // plan
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd, jaxcp::cuda::AttentionBwdImpl,
-                              jaxcp::bind_attention_bwd(cuda_bind()).Arg<AnyBuffer>(),  // + plan
+                              jaxcp::bind_attention_bwd(cuda_bind())
+                                  .Attr<jaxcp::AttentionKernelOptions>("kernel")
+                                  .Arg<AnyBuffer>(),  // plan
                               {xla::ffi::Traits::kCmdBufferCompatible});

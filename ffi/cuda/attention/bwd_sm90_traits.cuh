@@ -1,5 +1,5 @@
 // Tile shapes, shared-memory layouts and storage of the sm_90a backward kernel
-// (attention_bwd_sm90_kernels.cu), one traits struct per design:
+// (bwd_sm90.cu), one traits struct per design:
 //   BwdSm90Traits (D 64, 96, 128): 128-key tiles, one 64-key slab per consumer warpgroup; P and dS
 //     stay in registers as the A operand of dV / dK; dQ through a shared buffer and a writer warp.
 //     Query tiles of 64, or 128 at D 64 (bwd_sm90_block_m: 8-10% faster there, H100).
@@ -10,9 +10,9 @@
 // Both compute S^T and dP^T with keys as rows. kDv, the value head dim, sizes V, dO, dV and the
 // dP^T / dV GEMMs (multi-head latent attention: sm90_value_head_dim); Q, K, dK, dQ take kD.
 #pragma once
-#include "attention_bwd.cuh"
+#include "bwd.cuh"
 
-#include "attention_sm90.cuh"
+#include "sm90.cuh"
 
 namespace jaxcp::cuda::detail {
 

@@ -1,19 +1,18 @@
-// XLA FFI handlers (platform "CUDA") for small-sequence attention; see small_seq_kernels.h.
-//
-// fwd: q [B,Hq,D], k/v [T,Hkv,D], kv_start/kv_len/kv_mask int32 [B]
-//      -> out [B,Hq,D] (q's dtype), probs float32 [B,Hq,max_len]; attrs max_len, scale.
-// bwd: q, k, v, probs, dout, kv_start, kv_len, kv_mask -> dq, dk, dv.
-// The handlers only enqueue work on the FFI stream (command-buffer compatible).
+// XLA FFI handlers (platform "CUDA") for small-sequence attention: the CPU handlers' binding
+// (common/small_seq_binding.h) after the stream, then the kernel options (attribute "kernel").
+// The handlers only enqueue work on the FFI stream (command-buffer compatible); see launchers.h.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
 
-#include "../common/ffi_helpers.h"
-#include "../common/small_seq_checks.h"
-#include "capture_counts.h"
-#include "cuda_handlers.h"
-#include "small_seq_kernels.h"
+#include "common/ffi_attrs.h"
+#include "common/ffi_helpers.h"
+#include "common/small_seq_binding.h"
+#include "common/small_seq_checks.h"
+#include "cuda/call_counts.h"
+#include "cuda/cuda_handlers.h"
+#include "launchers.h"
 
 namespace jaxcp::cuda {
 namespace {
@@ -33,7 +32,7 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 ffi::Error shape_of(const AnyBuffer& q, const AnyBuffer& k, const AnyBuffer& v, const I32& start,
                     const I32& len, const I32& mask, int64_t max_len, float scale,
-                    SmallSeqArgs* a, SmallSeqDType* dtype) {
+                    const SmallSeqKernelOptions& kernel, SmallSeqArgs* a, SmallSeqDType* dtype) {
   if (auto e = check_small_seq_inputs(q, k, v, start, len, mask, max_len); e.failure()) return e;
   auto qd = q.dimensions();
   auto kd = k.dimensions();
@@ -50,6 +49,7 @@ ffi::Error shape_of(const AnyBuffer& q, const AnyBuffer& k, const AnyBuffer& v, 
   a->kv_heads = kd[1];
   a->max_len = max_len;
   a->scale = scale;
+  a->kernel = kernel;
   return dtype_of(q, dtype);
 }
 
@@ -67,11 +67,12 @@ ffi::Error status(cudaError_t launch, const char* what) {
 
 ffi::Error SmallSeqFwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuffer v,
                            I32 kv_start, I32 kv_len, I32 kv_mask, ffi::Result<AnyBuffer> out,
-                           ffi::ResultBuffer<ffi::F32> probs, int64_t max_len, float scale) {
+                           ffi::ResultBuffer<ffi::F32> probs, int64_t max_len, float scale,
+                           SmallSeqKernelOptions kernel) {
   count_call(Handler::kSmallSeqFwd, stream);
   SmallSeqArgs a;
   SmallSeqDType dtype;
-  if (auto e = shape_of(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, &a, &dtype);
+  if (auto e = shape_of(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, kernel, &a, &dtype);
       e.failure())
     return e;
   if (auto e = check_probs(a, *probs); e.failure()) return e;
@@ -85,11 +86,12 @@ ffi::Error SmallSeqFwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuf
 ffi::Error SmallSeqBwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuffer v,
                            ffi::Buffer<ffi::F32> probs, AnyBuffer dout, I32 kv_start, I32 kv_len,
                            I32 kv_mask, ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
-                           ffi::Result<AnyBuffer> dv, int64_t max_len, float scale) {
+                           ffi::Result<AnyBuffer> dv, int64_t max_len, float scale,
+                           SmallSeqKernelOptions kernel) {
   count_call(Handler::kSmallSeqBwd, stream);
   SmallSeqArgs a;
   SmallSeqDType dtype;
-  if (auto e = shape_of(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, &a, &dtype);
+  if (auto e = shape_of(q, k, v, kv_start, kv_len, kv_mask, max_len, scale, kernel, &a, &dtype);
       e.failure())
     return e;
   if (auto e = check_probs(a, probs); e.failure()) return e;
@@ -111,35 +113,14 @@ ffi::Error SmallSeqBwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuf
 namespace ffi = xla::ffi;
 using xla::ffi::AnyBuffer;
 
+namespace {
+auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_small_seq_fwd, jaxcp::cuda::SmallSeqFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<AnyBuffer>()                  // q
-                                  .Arg<AnyBuffer>()                  // k
-                                  .Arg<AnyBuffer>()                  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_len
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_mask
-                                  .Ret<AnyBuffer>()                  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()      // probs
-                                  .Attr<int64_t>("max_len")
-                                  .Attr<float>("scale"),
+                              jaxcp::bind_small_seq_fwd(cuda_bind()).Attr<jaxcp::SmallSeqKernelOptions>("kernel"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_small_seq_bwd, jaxcp::cuda::SmallSeqBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<AnyBuffer>()                  // q
-                                  .Arg<AnyBuffer>()                  // k
-                                  .Arg<AnyBuffer>()                  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()      // probs
-                                  .Arg<AnyBuffer>()                  // dout
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_start
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_len
-                                  .Arg<ffi::Buffer<ffi::S32>>()      // kv_mask
-                                  .Ret<AnyBuffer>()                  // dq
-                                  .Ret<AnyBuffer>()                  // dk
-                                  .Ret<AnyBuffer>()                  // dv
-                                  .Attr<int64_t>("max_len")
-                                  .Attr<float>("scale"),
+                              jaxcp::bind_small_seq_bwd(cuda_bind()).Attr<jaxcp::SmallSeqKernelOptions>("kernel"),
                               {ffi::Traits::kCmdBufferCompatible});

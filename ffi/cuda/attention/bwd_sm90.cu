@@ -42,7 +42,7 @@
 // passes the turn on.
 #include <climits>
 
-#include "attention_bwd_sm90_traits.cuh"
+#include "bwd_sm90_traits.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -645,20 +645,6 @@ cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, int64_t dv, cudaStr
 }
 
 }  // namespace detail
-
-bool bwd_use_sm90(const AttentionArgs& a) {
-  if (sm90_disabled_by_env()) return false;
-  const AttentionShape& s = a.shape;
-  if (!sm90_head_dim(s.head_dim)) return false;
-  if (a.deterministic) {
-    // Its tickets take an int per (key tile, query tile): kept under a quarter of the float32 dQ
-    // accumulator, so that memory stays O(B H S). Longer rows with few heads (e.g. S > 4M at 16
-    // heads of 128, S > 256k with one head) take the sm_80 deterministic kernels.
-    const int64_t bm = bwd_sm90_block_m(s.head_dim), nq = ceil_div64(s.q_len, bm);
-    if (nq * ceil_div64(s.kv_len, bwd_block_n(s.head_dim)) > nq * bm * s.q_heads * s.head_dim / 4) return false;
-  }
-  return sm90_kernels_available();
-}
 
 cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, int64_t dv, cudaStream_t stream) {
   return dtype == DType::kBF16 ? detail::dispatch_bwd_sm90<cutlass::bfloat16_t>(p, d, dv, stream)

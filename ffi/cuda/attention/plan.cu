@@ -2,9 +2,8 @@
 // partner tiles that classify_tiles does not skip. These make the attention kernels follow the
 // allowed area (work ~ allowed pairs, not S^2) for any document mix and token order.
 #include <climits>
-#include <cstdlib>
 
-#include "attention_plan.cuh"
+#include "plan.cuh"
 
 namespace jaxcp::cuda {
 namespace {
@@ -76,7 +75,7 @@ __device__ bool run_is_consecutive(const TileSummary& a, const int32_t* pos, int
 __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
     const TileSummary* __restrict__ rows, int64_t n_rows, TileTokens row_tokens,
     const TileSummary* __restrict__ cols, int64_t n_cols, TileTokens col_tokens, MaskParams mask,
-    bool rows_are_q, int max_runs, TileRange* __restrict__ out) {
+    bool rows_are_q, TileRange* __restrict__ out) {
   const int lane = threadIdx.x % 32;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRangeWarps + threadIdx.x / 32;
   const int64_t b = blockIdx.y;
@@ -93,7 +92,7 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
     for (; starts != 0u; starts &= starts - 1u, ++runs)
       if (runs < kMaxTileRuns) run_at[runs] = i0 + __ffs(static_cast<int>(starts)) - 1;
   }
-  if (runs > max_runs || runs == 0) {  // more: the tile as one run
+  if (runs > kMaxTileRuns || runs == 0) {  // more: the tile as one run
     runs = 1;
     run_at[0] = 0;
   }
@@ -232,14 +231,6 @@ cudaError_t launch_tile_summaries(const TileTokens& a, TileSummary* out_a, const
   return cudaGetLastError();
 }
 
-// JAXCP_PLAN_RUNS=n (a development aid, for measuring the run-by-run ranges): at most n runs
-// per row tile ranged one by one (1: the tile's summary alone), default and cap kMaxTileRuns.
-static int max_runs_by_env() {
-  const char* env = std::getenv("JAXCP_PLAN_RUNS");
-  const int n = env != nullptr ? std::atoi(env) : kMaxTileRuns;
-  return n >= 1 && n <= kMaxTileRuns ? n : kMaxTileRuns;
-}
-
 cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const TileTokens& row_tokens,
                                const TileSummary* cols, int64_t n_cols, const TileTokens& col_tokens,
                                int64_t batch, const MaskParams& mask, bool rows_are_q, TileRange* out,
@@ -251,27 +242,8 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
   const int64_t blocks = ceil_div64(n_rows, kRangeWarps);
   tile_range_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)),
                       kRangeWarps * 32, 0, stream>>>(rows, n_rows, row_tokens, cols, n_cols, col_tokens,
-                                                     mask, rows_are_q, max_runs_by_env(), out);
+                                                     mask, rows_are_q, out);
   return cudaGetLastError();
-}
-
-int multiprocessor_count() {
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess)
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return sms > 0 ? sms : 132;
-}
-
-cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_mask) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const unsigned bit = dev < 32 ? (1u << dev) : 0u;
-  if (bit && (__atomic_load_n(done_mask, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess && bit) __atomic_fetch_or(done_mask, bit, __ATOMIC_ACQ_REL);
-  return err;
 }
 
 }  // namespace jaxcp::cuda

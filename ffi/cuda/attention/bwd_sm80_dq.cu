@@ -3,7 +3,7 @@
 // registers (float32), written once in the output dtype. No atomics: bitwise reproducible.
 #include <climits>
 
-#include "attention_bwd.cuh"
+#include "bwd.cuh"
 
 namespace jaxcp::cuda::detail {
 

@@ -15,15 +15,19 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../common/attention_shape.h"
+#include "common/attention_shape.h"
 
 namespace jaxcp::cuda {
 
 enum class DType { kBF16, kF16 };
 
+// Which kernels run is decided by the device and args alone: args.kernel (AttentionKernelOptions)
+// may ask for the sm_80 kernels or the fixed forward tiling; nothing is read from the environment.
+//
 // Whether the forward kernels run args.shape.head_dim for these arguments: 64, 128 and 256
-// always; 96 and 192 where the sm_90a kernel runs (fwd_use_sm90: an sm_90 device, no short
-// window). Callers zero-pad any other head dim to the next supported one.
+// always; 96 and 192 where the sm_90a kernel runs (fwd_use_sm90: an sm_90 device, a positive
+// scale, kernel options that allow it). Callers zero-pad any other head dim to the next supported
+// one.
 bool attention_fwd_head_dim_supported(const AttentionArgs& args);
 
 // Whether the backward kernels run args.shape.head_dim for these arguments: 64, 128 and 256

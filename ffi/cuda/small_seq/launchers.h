@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "common/kernel_options.h"
+
 namespace jaxcp::cuda {
 
 enum class SmallSeqDType { kBF16, kF16 };
@@ -23,6 +25,7 @@ enum class SmallSeqDType { kBF16, kF16 };
 struct SmallSeqArgs {
   int64_t batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0, tokens = 0, max_len = 0;
   float scale = 1.0f;
+  SmallSeqKernelOptions kernel;  // tensor-core (default) or CUDA-core kernels
 };
 
 // Head dims with compiled kernels: 64, 128, 256, 512.

@@ -1,152 +1,14 @@
-// Backward orchestration: workspace layout, the dot(dO, O) pre-pass, the dQ float32 -> dtype
-// conversion, the reduction of split dK/dV partial sums, and attention_bwd itself.
+// Backward launchers and heuristics: which kernels run (bwd_use_sm90: the sm_90a or the sm_80
+// dK/dV kernel; the deterministic dQ by the sm_80 dQ kernel or by the sm_90a kernel's turns), how
+// the work is cut (GQA splits, head chunks, key tile order), the layout of the plan and the
+// workspace, and attention_bwd_plan / attention_bwd, which launch the kernels in order.
 #include <climits>
 
-#include "attention_bwd.cuh"
+#include "bwd.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
 namespace {
-
-// The backward's pre-pass, one launch, bandwidth-bound: for each row (b, h, i) of delta,
-//   delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32, d < Dv): the lse
-//     cotangent folds into delta since d lse / d s_ij = p_ij;
-//   with dq_accum, zeros D floats of the float32 dQ accumulator (rows * D floats in all, whatever
-//     its layout), instead of a memset of its own;
-//   with lse2 (sm_90a), lse2 = lse_log2(lse), and for the padding i in [Sq, stride), lse2 = +inf
-//     and delta = 0 (padding queries then give P = 0 and dS = 0, never NaN);
-//   with q_ids (sm_90a, blocks of h = 0), q_ids[b, i] = (segment, position) of query i, zeros past
-//     Sq: rows of sq_pad, so that the sm_90a producer loads a query tile's with one bulk copy.
-// Rows of delta are `stride` long (Sq, or sq_pad for the sm_90a kernel); each block holds rows of
-// one (b, h), max(D, Dv)/8 threads per row rounded up to a power of two (the shuffle tree; D 96:
-// 16, of which 12 load and zero; q/k 192 with v 128: 32, of which 16 load and 24 zero). Lane 0
-// issues its small loads before the row's, so that every thread has one round trip to memory.
-constexpr int bwd_prep_threads_per_row(int d, int dv) {
-  int t = 1;
-  while (t < d / 8 || t < dv / 8) t *= 2;
-  return t;
-}
-
-struct BwdPrepArgs {
-  const void* out;
-  const void* dout;
-  const float* dlse;   // [B, Hq, Sq] or null
-  const float* lse;    // [B, Hq, Sq]
-  float* lse2;         // [B, Hq, stride] or null
-  float* delta;        // [B, Hq, stride]
-  float* dq_accum;     // B * Hq * stride * D floats, or null
-  const int32_t* q_seg;
-  const int32_t* q_pos;
-  ColMask* q_ids;      // [B, stride] or null
-  int64_t Sq, stride;
-  int Hq, blocks_per_bh;
-};
-
-template <class Element, int D, int Dv>
-__global__ void __launch_bounds__(256) bwd_prep_kernel(const BwdPrepArgs a) {
-  constexpr int kTpr = bwd_prep_threads_per_row(D, Dv);
-  constexpr int kRows = 256 / kTpr;
-  const int bh = static_cast<int>(blockIdx.x) / a.blocks_per_bh;
-  const int b = bh / a.Hq, h = bh % a.Hq;
-  const int64_t i = static_cast<int64_t>(static_cast<int>(blockIdx.x) % a.blocks_per_bh) * kRows +
-                    static_cast<int>(threadIdx.x) / kTpr;
-  const int lane = static_cast<int>(threadIdx.x) % kTpr;
-  const bool row_in = i < a.stride, row_real = i < a.Sq;
-  const int64_t row = static_cast<int64_t>(bh) * a.stride + i;
-  const int64_t o = static_cast<int64_t>(bh) * a.Sq + i;  // [B, Hq, Sq]
-  float row_lse = 0.f, row_dlse = 0.f;
-  ColMask id{0, 0};
-  if (row_real && lane == 0) {
-    if (a.lse2) row_lse = a.lse[o];
-    if (a.dlse) row_dlse = a.dlse[o];
-    if (a.q_ids && h == 0) id = ColMask{a.q_seg[b * a.Sq + i], a.q_pos[b * a.Sq + i]};
-  }
-  float acc = 0.f;
-  if (row_real && lane < Dv / 8) {
-    const int64_t at = ((b * a.Sq + i) * a.Hq + h) * Dv;
-    const uint4 x = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.out) + at)[lane];
-    const uint4 g = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.dout) + at)[lane];
-    const Element* ex = reinterpret_cast<const Element*>(&x);
-    const Element* eg = reinterpret_cast<const Element*>(&g);
-    CUTE_UNROLL
-    for (int e = 0; e < 8; ++e) acc += static_cast<float>(ex[e]) * static_cast<float>(eg[e]);
-  }
-  if (row_in && lane < D / 8 && a.dq_accum) {
-    float4* zero = reinterpret_cast<float4*>(a.dq_accum + row * D) + 2 * lane;
-    zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  CUTE_UNROLL
-  for (int s = kTpr / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (row_in && lane == 0) {
-    a.delta[row] = row_real ? acc - row_dlse : 0.f;
-    if (a.lse2) a.lse2[row] = row_real ? lse_log2(row_lse) : INFINITY;
-    if (a.q_ids && h == 0) a.q_ids[b * a.stride + i] = id;
-  }
-}
-
-// Deterministic sm_90a backward: dq_ticket[(b * nkv + n) * nq + m] = the number of key tiles
-// n' > n whose walk visits query tile m, for every (n, m) that key tile n's walk visits (the
-// others are left as they are). A walk visits the tiles of its range that it does not skip
-// (bwd_next_q_serial). One thread per (b, m), key tiles from the last.
-__global__ void __launch_bounds__(256) bwd_dq_ticket_kernel(const TileRange* __restrict__ kv_range,
-                                                            const TileSummary* __restrict__ q_sum,
-                                                            const TileSummary* __restrict__ kv_sum, MaskParams mask,
-                                                            int nq, int nkv, int* __restrict__ ticket) {
-  const int m = static_cast<int>(blockIdx.x) * 256 + static_cast<int>(threadIdx.x);
-  const int64_t b = blockIdx.y;
-  if (m >= nq) return;
-  const TileSummary qs = q_sum[b * nq + m];
-  int count = 0;
-  for (int n = nkv - 1; n >= 0; --n) {
-    const TileRange r = kv_range[b * nkv + n];
-    if (r.x <= m && m < r.y && classify_tiles(qs, kv_sum[b * nkv + n], mask) != TileClass::kSkip)
-      ticket[(b * nkv + n) * nq + m] = count++;
-  }
-}
-
-// dst[i] = Element(scale * src[i]), 8 elements per thread.
-template <class Element>
-__global__ void __launch_bounds__(256) scale_convert_kernel(const float* __restrict__ src,
-                                                            Element* __restrict__ dst, int64_t n8,
-                                                            float scale) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < n8;
-       i += static_cast<int64_t>(gridDim.x) * 256) {
-    const float4 a = reinterpret_cast<const float4*>(src)[2 * i];
-    const float4 c = reinterpret_cast<const float4*>(src)[2 * i + 1];
-    cutlass::Array<Element, 8> o;
-    o[0] = Element(a.x * scale); o[1] = Element(a.y * scale);
-    o[2] = Element(a.z * scale); o[3] = Element(a.w * scale);
-    o[4] = Element(c.x * scale); o[5] = Element(c.y * scale);
-    o[6] = Element(c.z * scale); o[7] = Element(c.w * scale);
-    reinterpret_cast<cutlass::Array<Element, 8>*>(dst)[i] = o;
-  }
-}
-
-// dst[i] = Element(sum_s part[s][i]) for dK (n4 float4s per split) and dV (n4v: fewer where V is
-// narrower), fixed summation order (deterministic).
-template <class Element>
-__global__ void __launch_bounds__(256) split_reduce_kernel(const float* __restrict__ dk_part,
-                                                           const float* __restrict__ dv_part,
-                                                           Element* __restrict__ dk,
-                                                           Element* __restrict__ dv, int64_t n4, int64_t n4v,
-                                                           int splits) {
-  auto reduce = [splits](const float* part, int64_t stride, int64_t i) {
-    float4 x = reinterpret_cast<const float4*>(part)[i];
-    for (int s = 1; s < splits; ++s) {
-      const float4 y = reinterpret_cast<const float4*>(part + s * stride)[i];
-      x.x += y.x; x.y += y.y; x.z += y.z; x.w += y.w;
-    }
-    cutlass::Array<Element, 4> o;
-    o[0] = Element(x.x); o[1] = Element(x.y); o[2] = Element(x.z); o[3] = Element(x.w);
-    return o;
-  };
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < (n4 > n4v ? n4 : n4v);
-       i += static_cast<int64_t>(gridDim.x) * 256) {
-    if (i < n4) reinterpret_cast<cutlass::Array<Element, 4>*>(dk)[i] = reduce(dk_part, n4 * 4, i);
-    if (i < n4v) reinterpret_cast<cutlass::Array<Element, 4>*>(dv)[i] = reduce(dv_part, n4v * 4, i);
-  }
-}
 
 // The sm_90a dK/dV kernel's key tiles run in index order when none walks the query tiles of more
 // than this many queries (e.g. chunks of 2048, windows of 1024), else heaviest first. Sorted by
@@ -155,11 +17,6 @@ __global__ void __launch_bounds__(256) split_reduce_kernel(const float* __restri
 // with windows of 1024, whose tiles all weigh about the same); index order was 6% faster there.
 // With long documents heaviest first wins (causal, 4k documents: index order 1-2% slower).
 constexpr int kBwdIndexOrderMaxQueries = 4096;
-
-int grid_for(int64_t n, int64_t per_block) {
-  const int64_t blocks = ceil_div64(n, per_block);
-  return static_cast<int>(blocks < 65536 * 16 ? blocks : 65536 * 16);
-}
 
 }  // namespace
 
@@ -229,7 +86,7 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
     r.q_ids = w.take(sizeof(ColMask) * s.batch * r.sq_pad);
   }
   if (!r.sm80_dq) {
-    // sm_90a: per query tile, padded to whole tiles (see attention_bwd_sm90_kernels.cu).
+    // sm_90a: per query tile, padded to whole tiles (see bwd_sm90.cu).
     r.dq_accum = w.take(sizeof(float) * s.batch * (r.sm90 ? r.sq_pad : s.q_len) * s.q_heads * s.head_dim);
     if (r.ordered_dq) {
       r.dq_ticket = w.take(sizeof(int) * s.batch * r.nkv * r.nq);
@@ -247,30 +104,19 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
 
 template <class Element, int D, int Dv = D>
 cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, const void* out,
-                    const float* dlse, void* dq, cudaStream_t stream) {
+                    const float* dlse, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
   cudaError_t err;
   // delta = rowsum(dO * O) - dlse, the dQ accumulator's zeros, and for the sm_90a kernel lse2 and
   // q_ids: one pass
-  {
-    const int64_t stride = plan.sm90 ? plan.sq_pad : s.q_len;
-    constexpr int kRowsPerBlock = 256 / bwd_prep_threads_per_row(D, Dv);
-    BwdPrepArgs prep{out, p.dout, dlse, p.lse, plan.sm90 ? const_cast<float*>(p.lse2) : nullptr,
-                     const_cast<float*>(p.delta), plan.sm80_dq ? nullptr : p.dq_accum, p.q_seg, p.q_pos,
-                     plan.sm90 ? const_cast<ColMask*>(p.q_ids) : nullptr, s.q_len, stride, p.Hq,
-                     static_cast<int>(ceil_div64(stride, kRowsPerBlock))};
-    const int64_t blocks = s.batch * s.q_heads * prep.blocks_per_bh;
-    if (blocks > INT_MAX) return cudaErrorInvalidValue;
-    bwd_prep_kernel<Element, D, Dv><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(prep);
-    if ((err = cudaGetLastError())) return err;
-  }
-  const int64_t q_elems = s.batch * s.q_len * s.q_heads * s.head_dim;
+  const BwdPrepArgs prep{out, p.dout, dlse, p.lse, plan.sm90 ? const_cast<float*>(p.lse2) : nullptr,
+                         const_cast<float*>(p.delta), plan.sm80_dq ? nullptr : p.dq_accum, p.q_seg, p.q_pos,
+                         plan.sm90 ? const_cast<ColMask*>(p.q_ids) : nullptr, s.q_len,
+                         plan.sm90 ? plan.sq_pad : s.q_len, p.Hq, 0};
+  if ((err = launch_bwd_prep<Element, D, Dv>(prep, s.batch, stream))) return err;
   if (plan.ordered_dq) {
     if ((err = cudaMemsetAsync(p.dq_sem, 0, sizeof(int) * s.batch * s.q_heads * plan.nq, stream))) return err;
-    const dim3 grid(static_cast<unsigned>(ceil_div64(plan.nq, 256)), static_cast<unsigned>(s.batch));
-    bwd_dq_ticket_kernel<<<grid, 256, 0, stream>>>(p.kv_range, p.q_sum, p.kv_sum, p.mask, p.nq, p.nkv,
-                                                   const_cast<int*>(p.dq_ticket));
-    if ((err = cudaGetLastError())) return err;
+    if ((err = launch_dq_tickets(p, stream))) return err;
   }
   if constexpr (!sm80_head_dim(D) || Dv != D) {  // sm_90a only (attention_bwd_head_dim_supported)
     if (!plan.sm90) return cudaErrorInvalidValue;
@@ -289,39 +135,46 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
       if ((err = launch_bwd_dq<Element, D>(p, stream))) return err;
     }
   } else if (!plan.sm90) {  // the sm_90a launcher converts its own dQ layout
-    scale_convert_kernel<Element><<<grid_for(q_elems / 8, 256), 256, 0, stream>>>(
-        p.dq_accum, static_cast<Element*>(dq), q_elems / 8, p.scale);
-    if ((err = cudaGetLastError())) return err;
+    if ((err = launch_dq_convert<Element>(p, stream))) return err;
   }
-  if (plan.splits > 1) {
-    const int64_t n4 = s.batch * s.kv_len * s.kv_heads * D / 4, n4v = s.batch * s.kv_len * s.kv_heads * Dv / 4;
-    split_reduce_kernel<Element><<<grid_for(n4 > n4v ? n4 : n4v, 256), 256, 0, stream>>>(
-        p.dk_part, p.dv_part, static_cast<Element*>(p.dk), static_cast<Element*>(p.dv), n4, n4v, plan.splits);
-    if ((err = cudaGetLastError())) return err;
-  }
+  if (plan.splits > 1) return launch_split_reduce<Element>(p, stream);
   return cudaSuccess;
 }
 
 template <class Element>
 cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdParams& p,
-                         const void* out, const float* dlse, void* dq, cudaStream_t stream) {
+                         const void* out, const float* dlse, cudaStream_t stream) {
   if (a.shape.v_dim() != a.shape.head_dim) {
     static_assert(sm90_value_head_dim(192, 128));
     if (sm90_value_head_dim(a.shape.head_dim, a.shape.v_dim()))
-      return run_bwd<Element, 192, 128>(a, plan, p, out, dlse, dq, stream);
+      return run_bwd<Element, 192, 128>(a, plan, p, out, dlse, stream);
     return cudaErrorInvalidValue;
   }
   switch (a.shape.head_dim) {
-    case 64: return run_bwd<Element, 64>(a, plan, p, out, dlse, dq, stream);
-    case 96: return run_bwd<Element, 96>(a, plan, p, out, dlse, dq, stream);
-    case 128: return run_bwd<Element, 128>(a, plan, p, out, dlse, dq, stream);
-    case 192: return run_bwd<Element, 192>(a, plan, p, out, dlse, dq, stream);
-    case 256: return run_bwd<Element, 256>(a, plan, p, out, dlse, dq, stream);
+    case 64: return run_bwd<Element, 64>(a, plan, p, out, dlse, stream);
+    case 96: return run_bwd<Element, 96>(a, plan, p, out, dlse, stream);
+    case 128: return run_bwd<Element, 128>(a, plan, p, out, dlse, stream);
+    case 192: return run_bwd<Element, 192>(a, plan, p, out, dlse, stream);
+    case 256: return run_bwd<Element, 256>(a, plan, p, out, dlse, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 }  // namespace detail
+
+bool bwd_use_sm90(const AttentionArgs& a) {
+  if (a.kernel.sm80_only) return false;
+  const AttentionShape& s = a.shape;
+  if (!sm90_head_dim(s.head_dim)) return false;
+  if (a.deterministic) {
+    // Its tickets take an int per (key tile, query tile): kept under a quarter of the float32 dQ
+    // accumulator, so that memory stays O(B H S). Longer rows with few heads (e.g. S > 4M at 16
+    // heads of 128, S > 256k with one head) take the sm_80 deterministic kernels.
+    const int64_t bm = bwd_sm90_block_m(s.head_dim), nq = ceil_div64(s.q_len, bm);
+    if (nq * ceil_div64(s.kv_len, bwd_block_n(s.head_dim)) > nq * bm * s.q_heads * s.head_dim / 4) return false;
+  }
+  return sm90_kernels_available();
+}
 
 size_t attention_bwd_workspace_bytes(const AttentionArgs& a) { return detail::bwd_plan(a).bytes; }
 
@@ -460,8 +313,8 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.q_order_dq = plan.sm80_dq ? reinterpret_cast<const int*>(plan_base + plan.q_order_dq) : nullptr;
   p.nkv_dq = static_cast<int>(plan.nkv_dq);
   return dtype == DType::kBF16
-             ? detail::dispatch_bwd<cutlass::bfloat16_t>(a, plan, p, out, dlse, dq, stream)
-             : detail::dispatch_bwd<cutlass::half_t>(a, plan, p, out, dlse, dq, stream);
+             ? detail::dispatch_bwd<cutlass::bfloat16_t>(a, plan, p, out, dlse, stream)
+             : detail::dispatch_bwd<cutlass::half_t>(a, plan, p, out, dlse, stream);
 }
 
 }  // namespace jaxcp::cuda

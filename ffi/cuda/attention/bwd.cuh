@@ -1,6 +1,6 @@
-// Parameters and launchers shared by the backward kernels (private to ffi/cuda/*.cu).
+// Parameters and launchers shared by the backward kernels (private to ffi/cuda/attention/).
 #pragma once
-#include "attention_device.cuh"
+#include "device.cuh"
 
 namespace jaxcp::cuda::detail {
 
@@ -117,20 +117,66 @@ __forceinline__ __device__ int bwd_next_q_serial(const BwdParams& p, const BwdBl
   return i;
 }
 
-// attention_bwd_kernels.cu
+// bwd_sm80.cu: the sm_80 dK/dV kernel (dQ by float32 atomics into p.dq_accum when atomic_dq).
 template <class Element, int D>
 cudaError_t launch_bwd_dkdv(const BwdParams& p, bool atomic_dq, cudaStream_t stream);
-// attention_bwd_dq_kernels.cu
+// bwd_sm80_dq.cu: the sm_80 deterministic dQ kernel.
 template <class Element, int D>
 cudaError_t launch_bwd_dq(const BwdParams& p, cudaStream_t stream);
+
+// The backward's pre-pass, one launch, bandwidth-bound: for each row (b, h, i) of delta,
+//   delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] - dlse[b, h, i] (float32, d < Dv): the lse
+//     cotangent folds into delta since d lse / d s_ij = p_ij;
+//   with dq_accum, zeros D floats of the float32 dQ accumulator (rows * D floats in all, whatever
+//     its layout), instead of a memset of its own;
+//   with lse2 (sm_90a), lse2 = lse_log2(lse), and for the padding i in [Sq, stride), lse2 = +inf
+//     and delta = 0 (padding queries then give P = 0 and dS = 0, never NaN);
+//   with q_ids (sm_90a, blocks of h = 0), q_ids[b, i] = (segment, position) of query i, zeros past
+//     Sq: rows of sq_pad, so that the sm_90a producer loads a query tile's with one bulk copy.
+// Rows of delta are `stride` long (Sq, or sq_pad for the sm_90a kernel); each block holds rows of
+// one (b, h), max(D, Dv)/8 threads per row rounded up to a power of two (the shuffle tree; D 96:
+// 16, of which 12 load and zero; q/k 192 with v 128: 32, of which 16 load and 24 zero). Lane 0
+// issues its small loads before the row's, so that every thread has one round trip to memory.
+constexpr int bwd_prep_threads_per_row(int d, int dv) {
+  int t = 1;
+  while (t < d / 8 || t < dv / 8) t *= 2;
+  return t;
+}
+
+struct BwdPrepArgs {
+  const void* out;
+  const void* dout;
+  const float* dlse;   // [B, Hq, Sq] or null
+  const float* lse;    // [B, Hq, Sq]
+  float* lse2;         // [B, Hq, stride] or null
+  float* delta;        // [B, Hq, stride]
+  float* dq_accum;     // B * Hq * stride * D floats, or null
+  const int32_t* q_seg;
+  const int32_t* q_pos;
+  ColMask* q_ids;      // [B, stride] or null
+  int64_t Sq, stride;
+  int Hq, blocks_per_bh;
+};
+
+// bwd_prep.cu: the pre-pass (a.blocks_per_bh is set here), the deterministic sm_90a backward's dQ
+// tickets (p.dq_ticket), p.dq = Element(scale * p.dq_accum) for the sm_80 kernels' atomic dQ, and
+// p.dk / p.dv = sums of the split GQA groups' p.dk_part / p.dv_part.
+template <class Element, int D, int Dv>
+cudaError_t launch_bwd_prep(BwdPrepArgs a, int64_t batch, cudaStream_t stream);
+cudaError_t launch_dq_tickets(const BwdParams& p, cudaStream_t stream);
+template <class Element>
+cudaError_t launch_dq_convert(const BwdParams& p, cudaStream_t stream);
+template <class Element>
+cudaError_t launch_split_reduce(const BwdParams& p, cudaStream_t stream);
 }  // namespace jaxcp::cuda::detail
 
 namespace jaxcp::cuda {
-// attention_bwd_sm90_kernels.cu: whether the sm_90a dK/dV kernel runs these arguments (the
-// device is sm_90 with this build's sm_90a image, a head dim it has: sm90_head_dim; when
-// deterministic, rows not too long for their heads), and its launcher for head dim d and value
-// head dim dv (dK, dV, and dQ through p.dq_accum, converted into p.dq).
+// bwd_launch.cu: whether the sm_90a dK/dV kernel runs these arguments (the device is sm_90 with
+// this build's sm_90a image, a head dim it has: sm90_head_dim; when deterministic, rows not too
+// long for their heads).
 bool bwd_use_sm90(const AttentionArgs& args);
+// bwd_sm90.cu: the sm_90a kernel's launcher for head dim d and value head dim dv (dK, dV, and dQ
+// through p.dq_accum, converted into p.dq).
 cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, int64_t dv, cudaStream_t stream);
 }  // namespace jaxcp::cuda
 

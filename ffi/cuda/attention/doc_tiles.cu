@@ -11,15 +11,15 @@
 //
 // Kernels, in stream order: key windows (the summary of the block N keys from every key, so
 // that the kernel classifies a key tile starting anywhere with one load; at a key tile's start,
-// its summary) and, in the same launch, anchor bits (one bit per token), tile starts (one block per batch row,
-// block-wide scans over the bit words), row offsets (one block; only for more than
-// kInlineOffsetRows rows, otherwise summed by the plan's blocks), per-tile plan (one block per
-// tile slot). On a 0.6 ms forward these took 48 us, 29 of them the plan's (H100, session 13).
+// its summary) and, in the same launch, anchor bits (one bit per token), tile starts (one block
+// per batch row, block-wide scans over the bit words), row offsets (one block; only for more
+// than kInlineOffsetRows rows, otherwise summed by the plan's blocks), per-tile plan (one block
+// per tile slot). On a 0.6 ms forward these took 48 us, 29 of them the plan's (H100).
 #include <cub/block/block_scan.cuh>
 
 #include <climits>
 
-#include "attention_plan.cuh"
+#include "plan.cuh"
 
 namespace jaxcp::cuda {
 namespace {

@@ -1,8 +1,8 @@
-// Parameters and launchers shared by the forward kernels (private to ffi/cuda/*.cu): the sm_80
-// kernel (attention_fwd_kernels.cu) and the sm_90a kernel (attention_fwd_sm90_kernels.cu) read
-// the same tile plan.
+// Parameters and launchers shared by the forward kernels (private to ffi/cuda/attention/): the
+// sm_80 kernel (fwd_sm80.cu) and the sm_90a kernel (fwd_sm90.cu) read the same tile plan, built
+// and handed to them by fwd_launch.cu.
 #pragma once
-#include "attention_device.cuh"
+#include "device.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -37,7 +37,7 @@ struct FwdParams {
 // Keys per step of the sm_90a kernel (its query tile is kFwdBlockM = 128; dv: the value head dim):
 // 128 where Q and two stages of 128-key K and V tiles (16-bit) fit in 208 KB of shared memory, else
 // 64. That is D 64, 96, 128, and q/k 192 with v 128 (208 KB, O staged through sQ; 10-12% faster than
-// 64-key tiles, H200, session 29); D 192 and 256 take 64.
+// 64-key tiles, H200); D 192 and 256 take 64.
 constexpr int fwd_sm90_block_n(int64_t d, int64_t dv) {
   return 2 * (kFwdBlockM * d + 2 * 128 * (d + dv)) <= 208 * 1024 ? 128 : 64;
 }
@@ -45,10 +45,13 @@ constexpr int fwd_sm90_block_n(int64_t d, int64_t dv) {
 }  // namespace detail
 
 // True when the sm_90a forward kernel should run these arguments: the current device is sm_90,
-// this build carries the sm_90a image, and the shape is one where it beats the sm_80 kernel.
-// JAXCP_DISABLE_SM90=1 forces the sm_80 kernel.
+// this build carries the sm_90a image, the shape is one where it beats the sm_80 kernel, and the
+// kernel options do not ask for the sm_80 kernel (fwd_launch.cu).
 bool fwd_use_sm90(const AttentionArgs& args);
 
+// The kernels' launchers: fwd_sm80.cu (head dims 64, 128, 256) and fwd_sm90.cu (sm90_head_dim, and
+// the value head dims of sm90_value_head_dim). p comes from attention_fwd (fwd_launch.cu).
+cudaError_t launch_fwd_sm80(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, cudaStream_t stream);
 cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, int64_t dv,
                             cudaStream_t stream);
 

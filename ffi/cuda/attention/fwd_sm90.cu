@@ -2,7 +2,7 @@
 // one producer warp streams K/V tiles with TMA into a shared-memory ring guarded by mbarriers
 // (cutlass::PipelineTmaAsync); two consumer warpgroups own 64 query rows each and run
 // S = Q K^T and O += P V on wgmma, with the online softmax in registers (P never leaves them).
-// Query tiles start where documents start (attention_doc_tiles_kernels.cu), and each walks key
+// Query tiles start where documents start (doc_tiles.cu), and each walks key
 // tiles from the first key any of its rows may attend, classified skip / full / partial as it
 // goes on the summary of exactly each tile's keys: a document's rows meet key tiles aligned to
 // its start, and work follows the allowed area.
@@ -15,11 +15,10 @@
 // for sm_90a; elsewhere the body is empty and the host never launches it (fwd_use_sm90).
 #include <climits>
 
-#include "attention_fwd.cuh"
-#include "attention_plan.cuh"
+#include "fwd.cuh"
+#include "plan.cuh"
 
-#include "attention_sm90.cuh"
-#include "../common/env_flag.h"
+#include "sm90.cuh"
 
 namespace jaxcp::cuda {
 namespace detail {
@@ -53,7 +52,7 @@ struct FwdSm90Traits {
   // One consumer warpgroup's 64 rows of sO, the source of its TMA store: the layout's first 64
   // rows. The second warpgroup's rows are the same layout kOHalf elements on (8 row atoms, a
   // whole number of swizzle periods), as a host-side check of every (row, column) found for each
-  // value head dim (session 31) and the GPU tests' outputs confirm.
+  // value head dim and the GPU tests' outputs confirm.
   using SmemLayoutOHalf = decltype(composition(SmemLayoutO{}, Layout<Shape<_64, Int<kDv>>, Stride<_1, Int<kBM>>>{}));
   static constexpr int kOHalf = 64 * int(size<1>(SmemAtomV{}));  // 8 atoms of 8 rows
 
@@ -299,7 +298,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           const int slot = static_cast<int>(write_k.count() % KT::kMaskSlots);  // key tiles so far
           // A free K stage means a free mask slot (kMaskSlots). Every lane waits for it itself
           // before copying into the slot: when lanes 1-31 followed lane 0's wait through a
-          // __syncwarp, racecheck reported their copies as hazards (session 33). Only thread 0,
+          // __syncwarp, racecheck reports their copies as hazards. Only thread 0,
           // the pipeline's leader, arms the stage's transaction bytes; lane 0 issues the load.
           pipe_k.producer_acquire(write_k);
           if (lane == 0) copy(P.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKg(_, key_tile), tKs(_, write_k.index()));
@@ -615,20 +614,6 @@ bool sm90_kernels_available() {
   }
   if (slot != nullptr) __atomic_store_n(slot, ok ? 1 : 2, __ATOMIC_RELEASE);
   return ok;
-}
-
-bool sm90_disabled_by_env() { return env_flag("JAXCP_DISABLE_SM90"); }
-
-// Every shape with a positive scale: until session 30 windows under 512 keys took the sm_80
-// kernel (session 7: window 256 0.96x on an H100, 1.05x on an H200). Session 30's A/B, forward,
-// sm_80 time / sm_90a time on an H200 / H100, 2 x 8k with documents of 1k, D 128: window 256
-// 1.45-1.46x / 1.47-1.48x, window 128 1.37x (H200), window 64 1.17x / 1.15-1.18x; window 256 at
-// D 64 1.33-1.34x / 1.26-1.34x, at D 256 1.96x / 1.87-1.88x, at D 96 / 192 2.7-3.9x (padded by
-// the sm_80 kernel); 4 x 16k with documents of 4k, window 256: 1.46x / 1.46-1.51x.
-bool fwd_use_sm90(const AttentionArgs& a) {
-  if (sm90_disabled_by_env()) return false;
-  if (!(a.scale > 0.f)) return false;  // the kernel folds the scale into exp2 (online_softmax)
-  return sm90_kernels_available();
 }
 
 cudaError_t launch_fwd_sm90(const detail::FwdParams& p, int64_t batch, DType dtype, int64_t d, int64_t dv,

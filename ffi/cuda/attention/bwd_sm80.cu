@@ -5,7 +5,7 @@
 // dQ += dS K by float32 atomics into a workspace (non-deterministic mode).
 #include <climits>
 
-#include "attention_bwd.cuh"
+#include "bwd.cuh"
 
 namespace jaxcp::cuda::detail {
 

@@ -1,9 +1,9 @@
-// Building blocks shared by the sm_90a (Hopper) kernels, private to ffi/cuda/*.cu: warpgroup
+// Building blocks shared by the sm_90a (Hopper) kernels, private to ffi/cuda/attention/: warpgroup
 // GEMM issue, accumulator layout views and register conversions. Include after
-// attention_device.cuh (cute/tensor.hpp must come first).
+// device.cuh (cute/tensor.hpp must come first).
 #pragma once
-#include "attention_device.cuh"
-#include "vector_store.cuh"
+#include "device.cuh"
+#include "cuda/vector_store.cuh"
 
 #include <type_traits>
 

@@ -1,0 +1,71 @@
+"""The private kernel options (jaxcp._src.kernel_options): checked arguments, carried as static
+primitive parameters (so they are part of the traced program), ignored by the CPU kernels and the
+reference. Their effect on the CUDA kernels is tested in the gpu tests."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcp
+from jaxcp._src import registry
+from jaxcp._src.attention.api import attention_with_options
+from jaxcp._src.kernel_options import AttentionKernelOptions, SmallSeqKernelOptions
+from jaxcp._src.small_seq.api import small_seq_attention_with_options
+
+needs_cpu_kernel = pytest.mark.skipif(not registry.cpu_extension_available(), reason="CPU extension not built")
+
+Q = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 4, 16), jnp.float32)
+K = jax.random.normal(jax.random.PRNGKey(1), (2, 40, 2, 16), jnp.float32)
+SEG = np.repeat(np.array([[1] * 25 + [2] * 15]), 2, axis=0).astype(np.int32)
+
+
+@pytest.mark.parametrize("cls,field", [(AttentionKernelOptions, "sm80_only"), (AttentionKernelOptions, "fwd_fixed_tiles"),
+                                       (SmallSeqKernelOptions, "cuda_core_fwd"), (SmallSeqKernelOptions, "cuda_core_bwd")])
+def test_fields_must_be_bools(cls, field):
+  with pytest.raises(ValueError, match=field):
+    cls(**{field: 1})
+
+
+def test_entry_points_check_the_options_type():
+  with pytest.raises(ValueError, match="AttentionKernelOptions"):
+    attention_with_options(Q, K, K, kernel_options=SmallSeqKernelOptions())
+  with pytest.raises(ValueError, match="SmallSeqKernelOptions"):
+    small_seq_attention_with_options(Q[:, 0], K[:, :4], K[:, :4], kernel_options=AttentionKernelOptions())
+
+
+def test_options_are_static_parameters():
+  """Other options, another traced program (hence another jit cache entry and executable)."""
+  jaxpr = lambda options: str(jax.make_jaxpr(lambda q, k: attention_with_options(
+      q, k, k, is_causal=True, implementation="cpu", kernel_options=options))(Q, K))
+  default, sm80 = jaxpr(AttentionKernelOptions()), jaxpr(AttentionKernelOptions(sm80_only=True))
+  assert "sm80_only=True" in sm80 and "sm80_only=True" not in default
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("impl", ["cpu", "xla"])
+def test_cpu_and_reference_ignore_attention_options(impl):
+  f = lambda options: jax.grad(lambda q: attention_with_options(
+      q, K, K, segment_ids=SEG, is_causal=True, implementation=impl, kernel_options=options).sum())(Q)
+  np.testing.assert_array_equal(f(AttentionKernelOptions(sm80_only=True, fwd_fixed_tiles=True)),
+                                f(AttentionKernelOptions()))
+
+
+@needs_cpu_kernel
+def test_cpu_ignores_small_seq_options():
+  q, k = Q[:, 0], K[:, :5]
+  lengths = jnp.array([3, 5], jnp.int32)
+  f = lambda options: small_seq_attention_with_options(q, k, k, kv_lengths=lengths, implementation="cpu",
+                                                       kernel_options=options)
+  np.testing.assert_array_equal(f(SmallSeqKernelOptions(cuda_core_fwd=True, cuda_core_bwd=True)),
+                                f(SmallSeqKernelOptions()))
+  np.testing.assert_array_equal(f(SmallSeqKernelOptions()),
+                                jaxcp.small_seq_attention(q, k, k, kv_lengths=lengths, implementation="cpu"))
+
+
+@needs_cpu_kernel
+def test_mask_is_one_dictionary_attribute():
+  """The attention handlers take the mask rules and the scale as one attribute, "mask"."""
+  hlo = jax.jit(lambda q, k: jaxcp.attention(q, k, k, is_causal=True, local_window_size=(5, 2), chunk_size=8,
+                                             scale=0.5, implementation="cpu")).lower(Q, K).as_text()
+  assert ("mask = {chunk_size = 8 : i64, is_causal = true, scale = 5.000000e-01 : f32, window_left = 5 : i64, "
+          "window_right = 2 : i64}") in hlo
