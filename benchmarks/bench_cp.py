@@ -128,7 +128,8 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gpus, seed=0):
+def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gpus, others=("all_gather", "ring"),
+             seed=0):
   hq, hkv = heads
   rng = np.random.default_rng(seed)
   seg = doc_mixes.packed_row(rng, seq_len, mix)[None]
@@ -154,11 +155,11 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
     mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
     sh = NamedSharding(mesh, P(None, "cp"))
     cases = [("placement", f"tolerance {t:g}", t) for t in tolerances]
-    cases += [(s, b, None) for s, b in STRATEGIES.items() if s != "placement"]
-    for strategy, balance, tolerance in cases:
+    cases += [(s, b, None) for s, b in STRATEGIES.items() if s != "placement" and s in others]
+    for strategy, balance, variant in cases:
       shared = 0
       if strategy == "placement":
-        placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, tolerance=tolerance, **cost)
+        placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, tolerance=variant, **cost)
         context_parallel, shared = placement, placement.shared_tokens
       else:
         context_parallel = strategy
@@ -214,6 +215,8 @@ def main(argv=None):
   ap.add_argument("--cases", nargs="*", default=None, metavar="S:MIX:HQ/HKV",
                   help="run these cases instead of --seq x --mixes x --heads, e.g. 131072:doc8k:32/8")
   ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--others", nargs="*", default=["all_gather", "ring"], choices=["all_gather", "ring"],
+                  help="the other strategies to run beside the placement")
   ap.add_argument("--tolerances", type=float, nargs="+", default=[0.02],
                   help="placement balance tolerances to run (each a strategy of its own)")
   ap.add_argument("--calibration", default=None,
@@ -240,7 +243,7 @@ def main(argv=None):
              for c in args.cases]
   exposed = args.gpus if args.exposed_gpus is None else args.exposed_gpus
   for s, mix, h in cases:
-    rows += run_case(s, mix, h, args.gpus, args.reps, cost, args.tolerances, exposed)
+    rows += run_case(s, mix, h, args.gpus, args.reps, cost, args.tolerances, exposed, args.others)
   meta = common.run_metadata()
   md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; B=1, D=128, causal, forward+backward, bf16; "
         f"placement cost {cost or 'built-in'}.\n\n" + table(rows))

@@ -230,6 +230,19 @@ def placement_entry(seg: np.ndarray, cp: int) -> dict:
               left_out_max=float(np.max(left_out)))
 
 
+def placement_speed(seed: int, batch: int = 8, seq_len: int = 256 * 1024) -> list[dict]:
+  """Seconds per batch of choose_with_eviction (the data pipeline's placement step) on the CPU."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for name in ("lognormal_2k", "lognormal_8k", "one_doc"):
+    seg = np.stack([MIXES[name](rng, seq_len) for _ in range(batch)])
+    for cp in (4, 8):
+      t0 = time.perf_counter()
+      choose_with_eviction(seg, cp)
+      out.append(dict(mix=name, cp=cp, batch=batch, seq_len=seq_len, seconds=time.perf_counter() - t0))
+  return out
+
+
 def run(rows: int, seed: int, seq_lens=SEQ_LENS, cp_sizes=CP_SIZES, mixes=None,
         tile: int = 128, tile_max_seq: int = 128 * 1024):
   mixes = list(MIXES) if mixes is None else list(mixes)
@@ -263,7 +276,7 @@ def run(rows: int, seed: int, seq_lens=SEQ_LENS, cp_sizes=CP_SIZES, mixes=None,
   return results
 
 
-def markdown(results) -> str:
+def markdown(results, speed=()) -> str:
   lines = [
       "# Context-parallel load balance (simulated causal work)",
       "",
@@ -288,7 +301,7 @@ def markdown(results) -> str:
   if placed:
     lines += [
         "", "## Document placement: what it exchanges and leaves out", "",
-        "Per row, the smallest shared size (from 0, S/16/cp, S/8/cp, S/4/cp, S/2/cp, S/cp per rank) that "
+        "Per row, the smallest shared size (0, 1/8, 1/4, 3/8, 1/2, 3/4 or all of S/cp per rank) that "
         "balances the cost model within 2% with at most 2% of the tokens left out (a pipeline packs those "
         "into later rows). Cell: bytes exchanged relative to all_gather's (cp * R / S), mean (max) over rows; "
         "tokens left out, mean (max); causal work max/mean, mean (worst row).", "",
@@ -322,6 +335,12 @@ def markdown(results) -> str:
       sel = [e for e in tiled if e["cp"] == cp and e["mix"] != "one_doc"]
       lines.append(f"| {cp} | " + " | ".join(
           f"{max(e[st]['tile_step_max'] for e in sel):.2f}" for st in tile_strategies) + " |")
+  if speed:
+    lines += ["", "## Placement speed (CPU, one core, numpy)", "",
+              "Seconds for `choose_with_eviction` (choose the shared size, place and permute every row) on one "
+              "batch:", "", "| mix | B x S | cp | seconds |", "|---|---|---|---|"]
+    lines += [f"| {e['mix']} | {e['batch']} x {e['seq_len'] // 1024}k | {e['cp']} | {e['seconds']:.2f} |"
+              for e in speed]
   lines += ["", "Mixes:", ""] + [f"- `{k}`: {v}" for k, v in MIX_NOTES.items()
                                  if any(e["mix"] == k for e in results)]
   return "\n".join(lines) + "\n"
@@ -344,13 +363,14 @@ def main(argv=None):
   results = run(args.rows, args.seed, seq_lens=args.seq, cp_sizes=args.cp, mixes=args.mixes, tile=args.tile,
                 tile_max_seq=args.tile_max_seq)
   elapsed = time.perf_counter() - t0
-  md = markdown(results)
+  speed = placement_speed(args.seed)
+  md = markdown(results, speed)
   out_dir = os.path.dirname(os.path.abspath(args.out))
   os.makedirs(out_dir, exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(dict(description="max/mean per-rank causal work; see benchmarks/cp_balance.py",
                    rows=args.rows, seed=args.seed, seconds=elapsed, mixes=MIX_NOTES,
-                   results=results), f, indent=1)
+                   results=results, placement_speed=speed), f, indent=1)
   md_path = os.path.splitext(args.out)[0] + ".md"
   with open(md_path, "w") as f:
     f.write(md)

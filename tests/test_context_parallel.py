@@ -177,6 +177,7 @@ def test_auto_strategy_rule():
   assert choose_strategy("auto", 2, 65536, 65536, 32, 32) == "all_gather"      # two ranks
   assert choose_strategy("auto", 8, 1024, 1024, 32, 32) == "all_gather"        # short local blocks
   assert choose_strategy("auto", 8, 65536, 65536, 32, 8) == "all_gather"       # GQA 4: small K/V
+  assert choose_strategy("auto", 4, 65536, 65536, 16, 16) == "all_gather"     # measured: all-gather wins
   assert choose_strategy("auto", 8, 65536, 65536, 16, 16) == "ring"
   assert choose_strategy("ring", 2, 16, 16, 1, 1) == "ring"
   placement = jaxcp.DocumentPlacement(8)

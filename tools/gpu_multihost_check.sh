@@ -65,6 +65,7 @@ two_processes() {  # name, mesh flags...
 rc=0
 for mesh in "dp1_cp4:--dp 1 --cp 4" "dp2_cp2:--dp 2 --cp 2"; do
   name=${mesh%%:*}
+  [[ -n "${MH_ONLY:-}" && "$name" != "$MH_ONLY" ]] && continue   # MH_ONLY=dp1_cp4: one mesh only
   read -r -a flags <<< "${mesh#*:}"
   echo "== $name: 1 process x 4 GPUs"
   one_process "$name" "${flags[@]}" || { rc=1; tail -20 "$RUNS/${name}_1x4.log"; }
@@ -73,11 +74,11 @@ for mesh in "dp1_cp4:--dp 1 --cp 4" "dp2_cp2:--dp 2 --cp 2"; do
 done
 rm -rf "$RUNS"
 
-python3 - "$OUT" "${MH_TOL:-1e-3}" <<'EOF' || rc=1
+python3 - "$OUT" "${MH_TOL:-1e-3}" "${MH_ONLY:-}" <<'EOF' || rc=1
 import json, pathlib, sys
 out, tol = pathlib.Path(sys.argv[1]), float(sys.argv[2])
 ok, curves = True, {}
-for name in ("dp1_cp4", "dp2_cp2"):
+for name in [sys.argv[3]] if sys.argv[3] else ("dp1_cp4", "dp2_cp2"):
   paths = [out / f"multihost_{name}_{kind}.json" for kind in ("1x4", "2x2")]
   if not all(p.exists() for p in paths):
     print(f"{name}: missing {[p.name for p in paths if not p.exists()]}")

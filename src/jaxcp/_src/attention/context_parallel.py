@@ -19,9 +19,11 @@ from .placement import DocumentPlacement
 
 STRATEGIES = ("auto", "all_gather", "ring")
 
-# "auto": gather K/V when they are cheap to move next to the attention work on them, i.e. for
-# few ranks, short local blocks, or GQA/MQA where K/V are much smaller than Q; ring otherwise.
-AUTO_RING_MIN_CP = 3
+# "auto": all-gather wherever it was measured (2 and 4 H200s, S 128k-256k, GQA 32/8 and MHA
+# 16/16: all-gather on balanced rows beat ring on striped rows in every case, 0.46-0.99 against
+# 0.34-0.97 of ideal); ring only past that, with MHA-sized K/V and long local blocks, where
+# gathering all of K/V costs memory that the ring's one block in flight does not.
+AUTO_RING_MIN_CP = 5
 AUTO_RING_MIN_LOCAL_KV = 4096
 AUTO_RING_MAX_GQA_RATIO = 4
 

@@ -38,7 +38,7 @@ from .document_zigzag import zigzag_docs_ranks
 # ratio matters). Fitted to jaxcp's own causal forward+backward times on rows of equal documents
 # (benchmarks/calibrate_placement.py): a segment's work is its allowed pairs plus a per-token
 # part (tile edges, the plan, loads and stores) worth TOKEN_COST pairs.
-DEFAULT_TOKEN_COST = 192.0
+DEFAULT_TOKEN_COST = 291.0
 DEFAULT_PAIR_COST = 0.5
 # A placement is balanced when its costliest rank is at most this far above the mean.
 DEFAULT_TOLERANCE = 0.02
@@ -197,22 +197,32 @@ def _zigzag_ranks(stream_seg: np.ndarray, cp: int) -> np.ndarray:
   return zigzag_docs_ranks(stream_seg[None], cp, np)[0]
 
 
+def _row_assignment(seg: _Segments, cp: int, placement: DocumentPlacement, evict: bool, s: int):
+  """(rank of every segment, max / mean cost) of one row's segments, or None when R is too small."""
+  cost = placement.token_cost * seg.length + placement.pair_cost * seg.length.astype(np.float64) ** 2
+  return _assign(seg.length, cost, cp, placement.local_tokens(s, cp), cp * placement.shared_tokens,
+                 placement.tolerance, evict)
+
+
 def _row_permutation(row: np.ndarray, cp: int, placement: DocumentPlacement, evict: bool = False):
   """(perm [S] int32, max / mean cost, evicted [S] bool) of one row, or None when R is too small.
 
   evict=True: a local segment that finds no room is left out (its tokens are marked evicted and
   placed like padding; the caller turns them into padding and packs them elsewhere)."""
+  seg = _segments(row)
+  assigned = _row_assignment(seg, cp, placement, evict, row.shape[0])
+  if assigned is None:
+    return None
+  perm, evicted = _layout(row, seg, assigned[0], cp, placement)
+  return perm, assigned[1], evicted
+
+
+def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, placement: DocumentPlacement):
+  """(perm [S] int32, evicted [S] bool) of one row whose segments go to seg_rank."""
   s = row.shape[0]
   shard = s // cp
   r_tokens = placement.shared_tokens
-  capacity = placement.local_tokens(s, cp)
-  seg = _segments(row)
-  cost = placement.token_cost * seg.length + placement.pair_cost * seg.length.astype(np.float64) ** 2
-  assigned = _assign(seg.length, cost, cp, capacity, cp * r_tokens, placement.tolerance, evict)
-  if assigned is None:
-    return None
-  seg_rank, imbalance = assigned
-
+  capacity = shard - r_tokens
   real_run = seg.run_seg >= 0
   # Padding runs and evicted segments' runs are laid out as padding.
   run_rank = np.full(seg.run_seg.shape, EVICTED, np.int64)
@@ -255,7 +265,7 @@ def _row_permutation(row: np.ndarray, cp: int, placement: DocumentPlacement, evi
   perm = np.empty(s, np.int32)
   perm[dest] = np.arange(s, dtype=np.int32)
   evicted = ((run_rank == EVICTED) & real_run)[token_run]
-  return perm, imbalance, evicted
+  return perm, evicted
 
 
 # ---------------------------------------------------------------- batches
@@ -377,23 +387,36 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
   sizes = shared_sizes(s, cp) if sizes is None else tuple(sorted(int(r) for r in sizes))
   if not sizes or sizes[-1] > s // cp or sizes[0] < 0:
     raise ValueError(f"sizes must be shared-region sizes in [0, S / cp = {s // cp}], got {sizes}.")
+  rows = seg.reshape(-1, s)
+  segments = [_segments(row) for row in rows]
+  real_tokens = max(int((seg != 0).sum()), 1)
   best = None
   for r in sizes:
     placement = DocumentPlacement(r, token_cost, pair_cost, tolerance)
-    try:
-      perm, imbalance, evicted = place_rows(seg, cp, placement, evict)
-    except ValueError:
+    assigned = [_row_assignment(g, cp, placement, evict, s) if cp > 1 else (np.zeros(g.length.size, np.int64), 1.0)
+                for g in segments]
+    if any(a is None for a in assigned):
       continue
+    imbalance = np.array([a[1] for a in assigned])
     worst = float(imbalance.max()) if imbalance.size else 1.0
-    left_out = float(evicted.sum()) / max(int((seg != 0).sum()), 1)
+    left_out = sum(int(g.length[a[0] == EVICTED].sum()) for g, a in zip(segments, assigned)) / real_tokens
     score = worst * (1.0 + left_out)
-    if best is None or score < best[4] - 1e-12:
-      best = (placement, perm, imbalance, evicted, score)
+    if best is None or score < best[2] - 1e-12:
+      best = (placement, assigned, score)
     if worst <= 1.0 + tolerance and left_out <= max_evicted:
       break
   if best is None:
     raise ValueError(f"no size in {sizes} places every row; add S / cp = {s // cp} (always fits).")
-  return best[:4]
+  placement, assigned, _ = best
+  perms = np.empty(rows.shape, np.int32)
+  evicted = np.zeros(rows.shape, bool)
+  for b, (row, g, a) in enumerate(zip(rows, segments, assigned)):
+    if cp == 1:
+      perms[b] = np.arange(s, dtype=np.int32)
+    else:
+      perms[b], evicted[b] = _layout(row, g, a[0], cp, placement)
+  imbalance = np.array([a[1] for a in assigned]).reshape(seg.shape[:-1])
+  return placement, perms.reshape(seg.shape), imbalance, evicted.reshape(seg.shape)
 
 
 def placement_violations(permuted_segment_ids, cp_size: int, placement: DocumentPlacement) -> list[str]:
