@@ -64,7 +64,7 @@ import jax.numpy as jnp
 
 from .. import compat
 from .document_zigzag import document_layout, zigzag_docs_ranks
-from .placement import DocumentPlacement, placement_permutation
+from .placement import DocumentPlacement, check_cp_size, placement_permutation
 
 __all__ = [
     "STRATEGIES",
@@ -87,21 +87,6 @@ _STATIC_STRATEGIES = ("striped", "zigzag")
 
 def _is_numpy(x: Any) -> bool:
   return isinstance(x, (np.ndarray, np.generic))
-
-
-def _check_cp_size(cp_size: Any) -> int:
-  if isinstance(cp_size, bool):
-    raise ValueError(f"cp_size must be a static Python int >= 1, got {cp_size!r}.")
-  try:
-    cp = operator.index(cp_size)
-  except TypeError:
-    raise ValueError(
-        f"cp_size must be a static Python int >= 1 (the number of context-parallel ranks), got "
-        f"{type(cp_size).__name__}; pass it as a Python int, not a traced value."
-    ) from None
-  if cp < 1:
-    raise ValueError(f"cp_size must be >= 1 (the number of context-parallel ranks), got {cp}.")
-  return cp
 
 
 def _check_axis(axis: Any, ndim: int) -> int:
@@ -369,7 +354,7 @@ def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "bala
     int32 array of ``segment_ids.shape``: ``perm[..., j]`` is the original index of the token at
     permuted position ``j``; rank ``r`` holds ``perm[..., r * S // cp : (r + 1) * S // cp]``.
   """
-  cp = _check_cp_size(cp_size)
+  cp = check_cp_size(cp_size)
   if isinstance(strategy, DocumentPlacement):
     return placement_permutation(segment_ids, cp, strategy)
   if not isinstance(strategy, str):
@@ -413,7 +398,7 @@ def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "bala
 def _prepare(x, cp_size, axis, strategy):
   if not hasattr(x, "shape"):
     x = np.asarray(x)
-  cp = _check_cp_size(cp_size)
+  cp = check_cp_size(cp_size)
   ax = _check_axis(axis, np.ndim(x))
   s = x.shape[ax]
   if isinstance(strategy, str):

@@ -271,13 +271,17 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
 # ---------------------------------------------------------------- batches
 
 
-def _check_cp(cp_size) -> int:
+def check_cp_size(cp_size) -> int:
+  """cp_size as an int >= 1, or a ValueError that names it."""
   if isinstance(cp_size, bool):
     raise ValueError(f"cp_size must be a static Python int >= 1, got {cp_size!r}.")
   try:
     cp = operator.index(cp_size)
   except TypeError:
-    raise ValueError(f"cp_size must be a static Python int >= 1, got {type(cp_size).__name__}.") from None
+    raise ValueError(
+        f"cp_size must be a static Python int >= 1 (the number of context-parallel ranks), got "
+        f"{type(cp_size).__name__}; pass it as a Python int, not a traced value."
+    ) from None
   if cp < 1:
     raise ValueError(f"cp_size must be >= 1 (the number of context-parallel ranks), got {cp}.")
   return cp
@@ -323,7 +327,7 @@ def place_rows(seg: np.ndarray, cp: int, placement: DocumentPlacement, evict: bo
 def placement_permutation(segment_ids, cp_size: int, placement: DocumentPlacement):
   """The token permutation of a DocumentPlacement: numpy in, numpy out; JAX (traced) in, the same
   numpy computation through jax.pure_callback. See load_balance_permutation."""
-  cp = _check_cp(cp_size)
+  cp = check_cp_size(cp_size)
   _check_segments(segment_ids, cp)
   placement.local_tokens(segment_ids.shape[-1], cp)
   if isinstance(segment_ids, (np.ndarray, np.generic)):
@@ -340,7 +344,7 @@ def _host_permutation(seg, *, cp, placement):
 def shared_sizes(seq_len: int, cp_size: int, fractions=DEFAULT_SHARED_FRACTIONS) -> tuple[int, ...]:
   """Static shared-region sizes for choose_placement: the given fractions of S / cp, rounded up
   to a multiple of 128 tokens where the shard allows, ascending, always ending with S / cp."""
-  cp = _check_cp(cp_size)
+  cp = check_cp_size(cp_size)
   shard = seq_len // cp
   sizes = set()
   for f in fractions:
@@ -381,7 +385,7 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
   taken when every row is within `tolerance` of even work and at most `max_evicted` of the
   batch's tokens are left out. Returns (placement, perm, imbalance, evicted [B, S] bool)."""
   seg = np.asarray(segment_ids)
-  cp = _check_cp(cp_size)
+  cp = check_cp_size(cp_size)
   _check_segments(seg, cp)
   s = seg.shape[-1]
   sizes = shared_sizes(s, cp) if sizes is None else tuple(sorted(int(r) for r in sizes))
@@ -424,7 +428,7 @@ def placement_violations(permuted_segment_ids, cp_size: int, placement: Document
   the local region of two ranks, or in a local region and the shared region. Numpy; for tests
   and for checking a data pipeline."""
   seg = np.asarray(permuted_segment_ids)
-  cp = _check_cp(cp_size)
+  cp = check_cp_size(cp_size)
   s = seg.shape[-1]
   capacity = placement.local_tokens(s, cp)
   problems = []

@@ -1,16 +1,7 @@
 """Small-sequence attention: one query token per row attending to at most 16 key/value tokens.
 
-`small_seq_attention` is built like `jaxcp.attention`, in two layers
-(primitive.py, sharding.py):
-- kernel primitives (`jaxcp_small_seq_{fwd,bwd}_kernel`) lower to the FFI targets
-  `jaxcp_small_seq_{fwd,bwd}` of the current platform. The kernels see one flat layout:
-  q [B, Hq, D], k/v [T, Hkv, D], and per row int32 kv_start, kv_len, kv_mask [B] (row b attends
-  to tokens kv_start[b] + j, j < kv_len[b], whose bit j of kv_mask[b] is set), with the static
-  attribute max_len (<= 16). They clamp len into [0, max_len] and start/len into [0, T], so
-  out-of-range runtime values never read or write out of bounds.
-- public primitives (`jaxcp_small_seq_{fwd,bwd}`) take the user's layout (padded [B, S, Hkv, D]
-  or ragged [T, Hkv, D]), carry the vmap rule, and lower through `custom_partitioning`: the batch
-  axis (padded layout only) and the head axis shard with no collective.
+`small_seq_attention` validates the user's layout (padded [B, S, Hkv, D] or ragged [T, Hkv, D])
+and calls the primitives of primitive.py (partitioned by sharding.py), which see one flat layout.
 
 The forward saves the softmax probabilities (float32 [B, Hq, max_len]); the backward consumes
 them and never recomputes the scores.
