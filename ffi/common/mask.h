@@ -1,4 +1,4 @@
-// The mask model of DESIGN.md section 1, shared by host and device code. A (query, key) pair
+// The mask model (README, "The mask model"), shared by host and device code. A (query, key) pair
 // may interact iff all of: the same segment id, not 0 (padding); causal: kv_pos <= q_pos;
 // window: q_pos - window_left <= kv_pos <= q_pos + window_right (each side when >= 0); chunk:
 // floor(q_pos / C) == floor(kv_pos / C). The mask depends only on per-token (segment id,

@@ -142,7 +142,7 @@ def attention(query, key, value, *, segment_ids=None, positions=None, kv_segment
               kv_positions=None, cu_seqlens=None, is_causal=False, local_window_size=None,
               chunk_size=None, scale=None, context_parallel="auto", context_parallel_axis=None,
               implementation=None, deterministic=False, return_residual=False):
-  """Packed-document attention: the mask model and API of DESIGN.md sections 1-2.
+  """Packed-document attention (the mask model: README, "The mask model").
 
   A query token i and key token j interact iff they share a non-zero segment id and their
   positions satisfy the causal / window / chunk rules. Rows with no allowed key give output 0

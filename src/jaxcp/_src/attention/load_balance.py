@@ -4,7 +4,7 @@ Under context parallelism the sequence axis is split into ``cp_size`` contiguous
 ``r`` computes the attention rows of the queries in shard ``r`` (against keys from every shard, by
 all-gather or ring). With a causal mask, query ``i`` of a document attends to ``i + 1`` keys, so
 a naive split gives the last rank far more work than the first. Because jaxcp's mask depends only
-on per-token (segment id, position) values (DESIGN.md section 1), any token permutation is legal:
+on per-token (segment id, position) values, any token permutation is legal:
 permute the tokens before sharding, run the attention unchanged, and undo the permutation after.
 
 Permute *everything that is per token* the same way (tokens or embeddings, segment ids, positions,
