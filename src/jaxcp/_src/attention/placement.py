@@ -115,7 +115,7 @@ def _segments(row: np.ndarray) -> _Segments:
   run_seg = np.full(start.shape, -1, np.int64)
   if real.any():
     # Segments numbered by first occurrence (a reused id joins its runs into one segment).
-    uniq, first, inv = np.unique(ids[real], return_index=True, return_inverse=True)
+    _, first, inv = np.unique(ids[real], return_index=True, return_inverse=True)
     by_first = np.argsort(first, kind="stable")
     rank_of = np.empty_like(by_first)
     rank_of[by_first] = np.arange(by_first.size)
@@ -148,7 +148,8 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared
         room -= length[g]
       else:
         pre_evicted[g] = True
-    order = np.concatenate([order[:n_must][~pre_evicted[order[:n_must]]], order[n_must:], order[:n_must][pre_evicted[order[:n_must]]]])
+    must = order[:n_must]
+    order = np.concatenate([must[~pre_evicted[must]], order[n_must:], must[pre_evicted[must]]])
     n_must -= int(pre_evicted.sum())
     n -= int(pre_evicted.sum())
   best = None
