@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from .helpers import random_segments
+from .helpers import positions_in_documents, random_segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +36,7 @@ class Case:
       return dict(cu_seqlens=cu)
     if self.tokens == "permuted":     # any token order is legal with explicit positions
       seg = random_segments(rng, batch, self.q_len, mean_doc=20, pad_tail=False)
-      pos = np.zeros_like(seg)
-      for b in range(batch):
-        for sid in np.unique(seg[b]):
-          at = seg[b] == sid
-          pos[b, at] = np.arange(at.sum())
+      pos = positions_in_documents(seg)
       perm = np.stack([rng.permutation(self.q_len) for _ in range(batch)])
       take = lambda x: np.take_along_axis(x, perm, axis=1)
       return dict(segment_ids=take(seg), positions=take(pos))

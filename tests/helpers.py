@@ -158,3 +158,15 @@ def padded_small_seq_index(rng: np.random.Generator, b: int, s: int):
   mask[2] = 0  # a row with every token masked off
   valid = (np.arange(s)[None, :] < np.clip(lengths, 0, s)[:, None]) & token_mask_bits(mask, s)
   return lengths, mask, valid
+
+
+def self_attention_rows_close(got, want, seg, pos, mask: dict, q_heads: int, kv_heads: int, tol: float = 1e-4):
+  """(out, dq, dk, dv) of a self-attention call row by row against the reference's (rows_close),
+  and exactly zero on the query and key rows that no pair of `mask` allows."""
+  pairs = allowed_pairs(seg, pos, seg, pos, causal=mask.get("is_causal", False),
+                        window=mask.get("local_window_size"), chunk=mask.get("chunk_size"))
+  q_dead = np.repeat(~pairs.any(2), q_heads, axis=1)
+  kv_dead = np.repeat(~pairs.any(1), kv_heads, axis=1)
+  for name, g, r, dead in zip(["out", "dq", "dk", "dv"], got, want, [q_dead, q_dead, kv_dead, kv_dead]):
+    rows_close(g, r, tol, name, floor=1.0, zero_rows=dead)
+

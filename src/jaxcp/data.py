@@ -33,6 +33,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from jaxcp._src.attention.placement import choose_with_eviction
+
 __all__ = ["PackedBatch", "PlacedBatch", "pack_documents", "iter_packed_batches", "iter_placed_batches",
            "place_packed", "PACKING_STRATEGIES"]
 
@@ -385,7 +387,6 @@ def place_packed(batch: PackedBatch, cp: int, *, sizes=None, pad_id: int = 0, **
   those documents' tokens become padding. Returns ``(PlacedBatch, evicted)`` with ``evicted`` a
   bool [N, MAX_DOCS] mask over ``batch.document_ids`` of the segments left out (a stream puts
   them back; :func:`iter_placed_batches` does)."""
-  from jaxcp._src.attention.placement import choose_with_eviction  # jaxcp.data stays numpy-first
   placement, perm, imbalance, evicted_tok = choose_with_eviction(batch.segment_ids, cp, sizes, **cost)
   real = batch.segment_ids != 0
   left_out = float(evicted_tok.sum()) / max(int(real.sum()), 1)
