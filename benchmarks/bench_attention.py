@@ -1,14 +1,22 @@
-"""Packed-document attention: jaxcp vs JAX's cuDNN (packed q_offsets form and dense causal) and
-XLA, side by side in one process, with a bf16 matmul and a device copy measured in the same run.
+"""Packed-document attention: jaxcp vs JAX's cuDNN (packed q_offsets form and dense causal),
+FlashAttention-3 (its varlen form, fa3_peer.py) and XLA, side by side in one process, with a bf16
+matmul and a device copy measured in the same run.
 cuDNN's packed form runs twice: with the rows' own document count as its capacity M (its best
 case) and with a fixed M = S/t ("cudnn_static": the capacity a jitted training loop needs, see
 static_doc_capacity; t = 64 by default). Ratios and
 geometric means are given against both. Every peer's output and gradients are checked against
-jaxcp's; a peer that computes something else gets no ratio. Forward and forward+backward are
-compiled and timed apart, so a peer whose backward runs out of memory still has a forward.
+jaxcp's; a peer that computes something else gets no ratio. Forward, forward+backward and the
+backward alone are compiled and timed apart, so a peer whose backward runs out of memory still has
+a forward. The backward alone is jax.vjp's pull function from one forward, passed into a jitted
+call, so that only the backward runs in the timed call; where that fails, forward+backward's time
+minus the forward's, marked so (bwd_method "fwd_bwd - fwd", "(diff)" in the table).
+
+FlashAttention-3 runs where its wheel imports (the results' meta "fa3" names the module and
+version, or why it is absent) and the case is one it supports: no chunked masks, V's head dim that
+of Q and at most 128, bf16 or fp16; elsewhere its entry says "unsupported: ..." (no error).
 
 FLOPs count allowed pairs only: forward 2*(D+Dv)*Hq*pairs (4*D*Hq*pairs when V's head dim Dv is
-D), forward+backward 3.5x that.
+D), forward+backward 3.5x that, the backward alone 2.5x.
 Writes attention_<kind>.{json,md,png} (attention_extra_<kind>.* with --extra; kind: the device,
 e.g. h200) to --out, $OUT or benchmarks/results/.
 
@@ -28,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 import common  # noqa: E402
+import fa3_peer  # noqa: E402
 
 import jaxcp  # noqa: E402
 
@@ -176,6 +185,23 @@ def _calls(fn, q, k, v, dout):
   return {"fwd": (jax.jit(fn), (q, k, v)), "fwd_bwd": (fwd_bwd_fn(fn), (q, k, v, dout))}
 
 
+def bwd_call(fn, q, k, v, dout):
+  """The backward of fn alone, jitted, with its arguments: jax.vjp's pull function from one
+  forward is a pytree whose leaves are the saved residuals, so the call runs the backward only."""
+  _, pull = jax.vjp(jax.jit(fn), q, k, v)
+  return jax.jit(lambda pull, do: pull(do)), (pull, dout)
+
+
+def _fa3(case: Case, rows, dtype, varlen):
+  """FlashAttention-3 on the case's packed rows, or the reason it cannot run them."""
+  reason = fa3_peer.unsupported(case.head_dim, case.v_head_dim, case.chunk, dtype)
+  if reason:
+    return None, reason
+  window = (case.window - 1, 0) if case.window else None
+  return fa3_peer.packed_fn(varlen, rows, case.seq_len, scale=case.head_dim ** -0.5, causal=True,
+                            window=window), None
+
+
 def _warm(call):
   """Compiles call and runs it twice."""
   f, args = call
@@ -203,7 +229,28 @@ def case_inputs(case: Case, dtype):
           jax.random.normal(jax.random.fold_in(key, 3), shape_o, dtype))
 
 
-def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS_PER_DOC):
+MODES = ("fwd", "fwd_bwd", "bwd")
+FLOPS_PER_FWD = {"fwd": 1.0, "fwd_bwd": 3.5, "bwd": 2.5}  # the backward alone: forward+backward less the forward
+_ERR_KEY = {"fwd": "rel_err_vs_jaxcp",  # where each mode's error against jaxcp's goes
+            "fwd_bwd": "grad_rel_err_vs_jaxcp", "bwd": "bwd_grad_rel_err_vs_jaxcp"}
+
+
+def _fallback_bwd(r, fwd_flops):
+  """Where the backward alone could not be timed: forward+backward's time less the forward's,
+  marked bwd_method "fwd_bwd - fwd" (the difference carries both calls' noise), else bwd_error."""
+  if "bwd_ms" in r:
+    return
+  if "fwd_ms" in r and "fwd_bwd_ms" in r and r["fwd_bwd_ms"] > r["fwd_ms"]:
+    ms = r["fwd_bwd_ms"] - r["fwd_ms"]
+    r.update(bwd_ms=ms, bwd_tflops=FLOPS_PER_FWD["bwd"] * fwd_flops / ms / 1e9, bwd_method="fwd_bwd - fwd")
+  else:
+    r["bwd_error"] = r.get("bwd_pull_error") or r.get("fwd_bwd_error") or r.get("fwd_error") or "fwd_bwd - fwd <= 0"
+
+
+def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS_PER_DOC, fa3=None):
+  """One case: every implementation's time and TFLOP/s per mode (forward, forward+backward,
+  backward alone) and each peer's error against jaxcp. fa3: FlashAttention-3's flash_mha_varlen
+  (fa3_peer.load), None where it is absent."""
   rows = case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
   window = (case.window - 1, 0) if case.window else None
@@ -219,44 +266,63 @@ def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS
     impls["cudnn_dense"] = _cudnn_dense(case)
   if case.xla:
     impls["xla"] = _jaxcp(case, seg, pos, implementation="xla")
+  fa3_skipped = "absent"
+  if fa3 is not None:
+    impls["fa3"], fa3_skipped = _fa3(case, rows, dtype, fa3)
   result = dict(case=dataclasses.asdict(case), docs_per_row=[len(r) for r in rows], allowed_pairs=pairs,
                 fwd_flops=fwd_flops)
+  if fa3_skipped:
+    result["fa3"] = dict(skipped=fa3_skipped)
   # Compile and warm every implementation, then time them interleaved (common.time_interleaved).
   calls = {}
   for name, fn in impls.items():
     if fn is None:
       continue
     result[name] = {}
-    for mode, call in _calls(fn, q, k, v, dout).items():
+    fwd_and_fwd_bwd = _calls(fn, q, k, v, dout)
+    for mode in MODES:
+      call = None
       try:
+        call = bwd_call(fn, q, k, v, dout) if mode == "bwd" else fwd_and_fwd_bwd[mode]
         _warm(call)
         calls[(name, mode)] = call
       except Exception as e:  # out of memory or unsupported: recorded, never fatal
-        result[name][f"{mode}_error"] = _error(e)
-        if result[name][f"{mode}_error"] != "OOM":
+        # the backward alone falls back to forward+backward less the forward (_fallback_bwd)
+        key = "bwd_pull_error" if mode == "bwd" else f"{mode}_error"
+        result[name][key] = _error(e)
+        if result[name][key] != "OOM":
           traceback.print_exc(limit=2)
+      del call  # a failed backward's residuals go now, not after the timing
   times = common.time_interleaved(calls) if calls else {}
   reference = None  # jaxcp's output and gradients: every other implementation is checked against them
   live = seg != 0
   for (name, mode), (f, args) in calls.items():
     t, r = times[(name, mode)], result[name]
     if isinstance(t, Exception):
-      r[f"{mode}_error"] = _error(t)
+      r["bwd_pull_error" if mode == "bwd" else f"{mode}_error"] = _error(t)
       continue
-    flops = fwd_flops if mode == "fwd" else 3.5 * fwd_flops
-    r[f"{mode}_ms"], r[f"{mode}_tflops"] = t * 1e3, flops / t / 1e12
+    r[f"{mode}_ms"], r[f"{mode}_tflops"] = t * 1e3, FLOPS_PER_FWD[mode] * fwd_flops / t / 1e12
+    if mode == "bwd":
+      r["bwd_method"] = "vjp"
     got = f(*args)  # the output, or dq, dk, dv
-    if name == "jaxcp":
+    if name == "jaxcp" and mode != "bwd":
       reference = dict(reference or {}, **{mode: got})
-    elif reference and mode in reference:  # a fast peer must also compute the same thing
-      err = max(_rel_err(g, g_ref, live) for g, g_ref in zip(jax.tree.leaves(got), jax.tree.leaves(reference[mode])))
-      r["rel_err_vs_jaxcp" if mode == "fwd" else "grad_rel_err_vs_jaxcp"] = err
-    del got
+    # A fast peer must also compute the same thing; the backward alone (jaxcp's too) must give
+    # jaxcp's forward+backward gradients.
+    ref = (reference or {}).get("fwd_bwd" if mode == "bwd" else mode)
+    if ref is not None and (name != "jaxcp" or mode == "bwd"):
+      leaves = zip(jax.tree.leaves(got), jax.tree.leaves(ref))
+      r[_ERR_KEY[mode]] = max(_rel_err(g, g_ref, live) for g, g_ref in leaves)
+    del got, ref
   del calls, reference
+  for name in impls:
+    if name in result and "skipped" not in result[name]:
+      _fallback_bwd(result[name], fwd_flops)
   return result
 
 
-PEERS = ("cudnn_packed", "cudnn_static", "cudnn_dense", "xla")  # every implementation but jaxcp
+PEERS = ("cudnn_packed", "cudnn_static", "cudnn_dense", "xla", "fa3")  # every implementation but jaxcp
+TFLOPS_KEYS = tuple(f"{m}_tflops" for m in MODES)
 
 
 def _failure(r, key):
@@ -265,12 +331,15 @@ def _failure(r, key):
 
 
 def _fmt(r, key):
+  if r and "skipped" in r:  # FlashAttention-3 not installed, or a case it does not support
+    return "absent" if r["skipped"] == "absent" else "n/a"
   failure = _failure(r, key) if r else None
   if failure:
     return "OOM" if failure == "OOM" else "err"
   if not r or key not in r:
     return "-"
-  return f"{r[key]:.0f}" if r[key] >= 10 else f"{r[key]:.2f}"
+  text = f"{r[key]:.0f}" if r[key] >= 10 else f"{r[key]:.2f}"
+  return text + " (diff)" if key == "bwd_tflops" and r.get("bwd_method") == "fwd_bwd - fwd" else text
 
 
 def _peer_errors(r):
@@ -290,11 +359,13 @@ PEER_MAX_REL_ERR = 5e-2
 
 
 def _peer_agrees(r, key):
-  """Whether peer result r computes what jaxcp does: its output, and for key fwd_bwd_tflops
-  also its gradients."""
+  """Whether peer result r computes what jaxcp does: its output, for key fwd_bwd_tflops also its
+  gradients, and for bwd_tflops those of its backward alone as well."""
   errs = [r.get("rel_err_vs_jaxcp", 0.0)]
-  if key == "fwd_bwd_tflops":
+  if key in ("fwd_bwd_tflops", "bwd_tflops"):
     errs.append(r.get("grad_rel_err_vs_jaxcp", 0.0))
+  if key == "bwd_tflops":
+    errs.append(r.get("bwd_grad_rel_err_vs_jaxcp", 0.0))
   return all(bool(np.isfinite(e)) and e <= PEER_MAX_REL_ERR for e in errs)
 
 
@@ -318,15 +389,22 @@ def _cudnn_peer(r, static=False):
   return r.get("cudnn_static" if static else "cudnn_packed") or r.get("cudnn_dense")
 
 
+# The peers of the geometric means, by key prefix of ratio_summary.
+SUMMARY_PEERS = (("", lambda r: _cudnn_peer(r)), ("static_", lambda r: _cudnn_peer(r, static=True)),
+                 ("fa3_", lambda r: r.get("fa3")))
+
+
 def ratio_summary(results):
   """Geometric means of jaxcp / cuDNN over the cases with a cuDNN result that agrees with
-  jaxcp's: all of them, and those without padding tokens; keys static_*: against cuDNN with the
-  static document capacity (cases where it ran out of memory count as not run)."""
+  jaxcp's: all of them, and those without padding tokens, for the forward, forward+backward and
+  backward alone; keys static_*: against cuDNN with the static document capacity (cases where it
+  ran out of memory count as not run); keys fa3_*: against FlashAttention-3 (cases it does not
+  support, or all where it is absent, count as not run)."""
   out = {}
-  for prefix, static in (("", False), ("static_", True)):
+  for prefix, peer in SUMMARY_PEERS:
     for label, keep in (("all", lambda r: True), ("unpadded", lambda r: not r["case"].get("pad"))):
-      for key in ("fwd_tflops", "fwd_bwd_tflops"):
-        vals = [_ratio_value(r.get("jaxcp"), _cudnn_peer(r, static), key) for r in results if keep(r)]
+      for key in TFLOPS_KEYS:
+        vals = [_ratio_value(r.get("jaxcp"), peer(r), key) for r in results if keep(r)]
         vals = [v for v in vals if v is not None]
         out[f"{prefix}{label}_{key}"] = dict(cases=len(vals),
                                              geomean=float(np.exp(np.mean(np.log(vals)))) if vals else None)
@@ -335,14 +413,16 @@ def ratio_summary(results):
 
 def _summary_md(summary, static_tokens_per_doc):
   lines = []
-  for prefix, peer in (("", "cuDNN"), ("static_", f"cuDNN with capacity M = S/{static_tokens_per_doc}")):
+  for prefix, peer in (("", "cuDNN"), ("static_", f"cuDNN with capacity M = S/{static_tokens_per_doc}"),
+                       ("fa3_", "FlashAttention-3")):
     parts = []
     for label in ("unpadded", "all"):  # a peer with wrong gradients has a forward ratio only
-      f, b = summary[f"{prefix}{label}_fwd_tflops"], summary[f"{prefix}{label}_fwd_bwd_tflops"]
-      if f["geomean"] is not None:
-        parts.append(f"{label}: forward {f['geomean']:.3f}x ({f['cases']} cases), "
-                     + (f"forward+backward {b['geomean']:.3f}x ({b['cases']} cases)" if b["geomean"] is not None
-                        else "forward+backward -"))
+      means = [(what, summary.get(f"{prefix}{label}_{key}") or {})
+               for what, key in zip(("forward", "forward+backward", "backward"), TFLOPS_KEYS)]
+      if means[0][1].get("geomean") is not None:
+        parts.append(f"{label}: " + ", ".join(f"{what} {m['geomean']:.3f}x ({m['cases']} cases)"
+                                              if m.get("geomean") is not None else f"{what} -"
+                                              for what, m in means))
     if parts:
       lines.append(f"Geometric mean of jaxcp / {peer} over the cases with a result that agrees with jaxcp's: "
                    + "; ".join(parts) + ".")
@@ -353,23 +433,27 @@ def markdown(meta, results):
   """The results table (and the geometric means of the ratios) as markdown."""
   tokens_per_doc = meta.get("static_tokens_per_doc", 128)  # result files without the key used S/128
   static = f"M=S/{tokens_per_doc}"
-  header = ["case", "docs/row", "jaxcp fwd", "jaxcp fwd+bwd", "cuDNN packed fwd", "cuDNN packed fwd+bwd",
-            f"cuDNN {static} fwd", f"cuDNN {static} fwd+bwd", "cuDNN dense fwd", "cuDNN dense fwd+bwd", "XLA fwd",
-            "XLA fwd+bwd", "fwd vs cuDNN", "fwd+bwd vs cuDNN", f"fwd vs cuDNN {static}", f"fwd+bwd vs cuDNN {static}",
-            "peer rel err vs jaxcp (out / grads)"]
+  names = {"jaxcp": "jaxcp", "cudnn_packed": "cuDNN packed", "cudnn_static": f"cuDNN {static}",
+           "cudnn_dense": "cuDNN dense", "xla": "XLA", "fa3": "FA3"}
+  modes = ("fwd", "fwd+bwd", "bwd")  # TFLOPS_KEYS' labels
+  header = (["case", "docs/row"] + [f"{names[n]} {m}" for n in ("jaxcp",) + PEERS for m in modes]
+            + [f"{m} vs {p}" for p in ("cuDNN", f"cuDNN {static}", "FA3") for m in modes]
+            + ["peer rel err vs jaxcp (out / grads)"])
   rows = []
   for r in results:
-    cud = _cudnn_peer(r)
+    peers = (_cudnn_peer(r), _cudnn_peer(r, static=True), r.get("fa3"))
     rows.append([r["case"]["name"], f"{np.mean(r['docs_per_row']):.1f}"]
-                + [_fmt(r.get(n), k) for n in ("jaxcp",) + PEERS
-                   for k in ("fwd_tflops", "fwd_bwd_tflops")]
-                + [_ratio(r.get("jaxcp"), p, k) for p in (cud, _cudnn_peer(r, static=True))
-                   for k in ("fwd_tflops", "fwd_bwd_tflops")] + [_peer_errors(r)])
+                + [_fmt(r.get(n), k) for n in ("jaxcp",) + PEERS for k in TFLOPS_KEYS]
+                + [_ratio(r.get("jaxcp"), p, k) for p in peers for k in TFLOPS_KEYS] + [_peer_errors(r)])
   cudnn = f", cuDNN {meta['cudnn']}" if "cudnn" in meta else ""
   md = (f"Device: {meta['device']}, JAX {meta['jax']}{cudnn}, {meta['date']}. TFLOP/s over allowed pairs "
-        f"(fwd 2*(D+Dv)*Hq*pairs, = 4*D*Hq*pairs when Dv = D; fwd+bwd 3.5x).")
+        f"(fwd 2*(D+Dv)*Hq*pairs, = 4*D*Hq*pairs when Dv = D; fwd+bwd 3.5x; bwd, the backward alone, 2.5x; "
+        f"\"(diff)\": the backward's time taken as fwd+bwd's less fwd's).")
   if "matmul_bf16_tflops" in meta:
     md += f" Same run: bf16 8k matmul {meta['matmul_bf16_tflops']:.0f} TFLOP/s, copy {meta['copy_gbps']:.0f} GB/s."
+  fa3 = meta.get("fa3")
+  if fa3:  # "n/a" in its columns: a case it does not support (the JSON says why)
+    md += f" FA3: {fa3['module']} {fa3.get('version')}." if "module" in fa3 else f" FA3 absent: {fa3['absent']}."
   md = md + "\n\n" + common.markdown_table(header, rows)
   summary_line = _summary_md(ratio_summary(results), tokens_per_doc)
   return md + ("\n" + summary_line + "\n" if summary_line else "")
@@ -393,15 +477,16 @@ def main(argv=None):
 
   meta = common.run_metadata()
   meta["static_tokens_per_doc"] = args.static_tokens_per_doc
+  fa3, meta["fa3"] = fa3_peer.load()  # the module and version imported, or why FA3 is absent
   if not quick:
     meta["matmul_bf16_tflops"] = common.measure_matmul_tflops()
     meta["copy_gbps"] = common.measure_copy_gbps()
   results = []
   for case in cases:
-    r = run_case(case, dtype, quick, args.static_tokens_per_doc)
+    r = run_case(case, dtype, quick, args.static_tokens_per_doc, fa3)
     results.append(r)
-    print(f"{case.name}: " + ", ".join(f"{k} {_fmt(r.get(k), 'fwd_tflops')}/{_fmt(r.get(k), 'fwd_bwd_tflops')}"
-                                        for k in ("jaxcp",) + PEERS if k in r), flush=True)
+    tflops = {k: "/".join(_fmt(r[k], key) for key in TFLOPS_KEYS) for k in ("jaxcp",) + PEERS if k in r}
+    print(f"{case.name} (fwd/fwd+bwd/bwd): " + ", ".join(f"{k} {t}" for k, t in tflops.items()), flush=True)
 
   md = markdown(meta, results)
   out_dir = common.write_results(name, dict(meta=meta, results=results, summary=ratio_summary(results)), md, args.out)
@@ -416,11 +501,11 @@ def _plot(results, out_dir, name):
     import matplotlib.pyplot as plt
   except ImportError:
     return
-  impls = [n for n in ("jaxcp",) + PEERS if any(n in r for r in results)]
-  fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=False)
+  impls = [n for n in ("jaxcp",) + PEERS if any(n in r and r[n].get("skipped") != "absent" for r in results)]
+  fig, axes = plt.subplots(1, 3, figsize=(21, 5), sharey=False)
   x = np.arange(len(results))
   width = 0.8 / max(1, len(impls))
-  for ax, key, title in zip(axes, ("fwd_tflops", "fwd_bwd_tflops"), ("forward", "forward+backward")):
+  for ax, key, title in zip(axes, TFLOPS_KEYS, ("forward", "forward+backward", "backward alone")):
     for i, n in enumerate(impls):
       vals = [r[n].get(key, 0) if n in r else 0 for r in results]
       bars = ax.bar(x + i * width, vals, width, label=n)
@@ -428,7 +513,7 @@ def _plot(results, out_dir, name):
         if n != "jaxcp" and n in r and key in r[n] and not _peer_agrees(r[n], key):
           bar.set_hatch("xx")
           bar.set_alpha(0.4)
-        if n in r and _failure(r[n], key):  # out of memory or failed: say so where its bar would be
+        if n in r and (_failure(r[n], key) or "skipped" in r[n]):  # say why where its bar would be
           ax.text(bar.get_x() + bar.get_width() / 2, 5, _fmt(r[n], key), rotation=90, ha="center",
                   va="bottom", fontsize=6, color=bar.get_facecolor())
     ax.set_xticks(x + width * (len(impls) - 1) / 2)

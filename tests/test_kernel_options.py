@@ -19,11 +19,34 @@ K = jax.random.normal(jax.random.PRNGKey(1), (2, 40, 2, 16), jnp.float32)
 SEG = np.repeat(np.array([[1] * 25 + [2] * 15]), 2, axis=0).astype(np.int32)
 
 
-@pytest.mark.parametrize("cls,field", [(AttentionKernelOptions, "sm80_only"), (AttentionKernelOptions, "fwd_fixed_tiles"),
-                                       (SmallSeqKernelOptions, "cuda_core_fwd"), (SmallSeqKernelOptions, "cuda_core_bwd")])
-def test_fields_must_be_bools(cls, field):
+@pytest.mark.parametrize("field", ["sm80_only", "fwd_fixed_tiles"])
+def test_attention_fields_must_be_bools(field):
   with pytest.raises(ValueError, match=field):
-    cls(**{field: 1})
+    AttentionKernelOptions(**{field: 1})
+
+
+@pytest.mark.parametrize("field", ["fwd", "bwd"])
+def test_small_seq_fields_name_a_kernel_family(field):
+  with pytest.raises(ValueError, match=f"{field} must be 'auto' or one of"):
+    SmallSeqKernelOptions(**{field: "tensor_cores"})
+
+
+def test_small_seq_auto_is_resolved_per_shape():
+  """"auto" becomes a named family before lowering (the rule of small_seq/dispatch.py); what the
+  caller names stays; a family that cannot run a shape is reported as unavailable."""
+  from jaxcp._src.small_seq import dispatch
+  with pytest.raises(ValueError, match="auto"):
+    SmallSeqKernelOptions().ffi_attrs()
+  assert dispatch.resolve(SmallSeqKernelOptions(), 1, 128, 8) == SmallSeqKernelOptions("lanes", "lanes")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 1, 128, 16) == SmallSeqKernelOptions("mma", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 4) == SmallSeqKernelOptions("lanes", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 16) == SmallSeqKernelOptions("mma", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 4).bwd == "cuda_core"
+  assert dispatch.resolve(SmallSeqKernelOptions(fwd="cuda_core"), 1, 64, 4) == SmallSeqKernelOptions("cuda_core", "lanes")
+  assert not dispatch.available("fwd", "lanes", 1, 512, 16)
+  assert not dispatch.available("bwd", "lanes", 4, 64, 4)
+  assert not dispatch.available("bwd", "mma", 32, 64, 4)
+  assert dispatch.available("bwd", "cuda_core", 32, 64, 4)
 
 
 def test_entry_points_check_the_options_type():
@@ -56,7 +79,7 @@ def test_cpu_ignores_small_seq_options():
   lengths = jnp.array([3, 5], jnp.int32)
   f = lambda options: small_seq_attention_with_options(q, k, k, kv_lengths=lengths, implementation="cpu",
                                                        kernel_options=options)
-  np.testing.assert_array_equal(f(SmallSeqKernelOptions(cuda_core_fwd=True, cuda_core_bwd=True)),
+  np.testing.assert_array_equal(f(SmallSeqKernelOptions(fwd="cuda_core", bwd="cuda_core")),
                                 f(SmallSeqKernelOptions()))
   np.testing.assert_array_equal(f(SmallSeqKernelOptions()),
                                 jaxcp.small_seq_attention(q, k, k, kv_lengths=lengths, implementation="cpu"))

@@ -61,13 +61,14 @@ def _padded_rows(lengths, s):
   return [list(range(i * s, i * s + int(np.clip(n, 0, s)))) for i, n in enumerate(lengths)]
 
 
-def _ragged_rows(cu, t):
-  """Token lists of the ragged rows: cu clamped into [0, t]; empty from the first decrease on."""
+def _ragged_rows(cu, t, max_len=16):
+  """Token lists of the ragged rows: cu clamped into [0, t]; empty from the first decrease on;
+  at most max_len tokens per row."""
   cu = np.clip(np.asarray(cu), 0, t)
   rows, broken = [], False
   for i in range(len(cu) - 1):
     broken = broken or cu[i + 1] < cu[i]
-    rows.append([] if broken else list(range(cu[i], min(cu[i + 1], cu[i] + 16))))
+    rows.append([] if broken else list(range(cu[i], min(cu[i + 1], cu[i] + max_len))))
   return rows
 
 
@@ -153,6 +154,29 @@ def test_ragged_forward(dtype):
     _assert_close(out, ref, TOL[dtype], impl)
   np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0)
   np.testing.assert_array_equal(np.asarray(out[3:], np.float32), 0)  # from the decrease on
+
+
+@needs_cpu_kernel
+def test_ragged_max_kv_len():
+  """Rows attend to their first max_kv_len tokens; the saved probabilities have that many columns."""
+  rng = np.random.default_rng(12)
+  t, hq, hkv, d = 40, 4, 2, 16
+  q = _rand(rng, (6, hq, d), jnp.float32)
+  k, v = _rand(rng, (t, hkv, d), jnp.float32), _rand(rng, (t, hkv, d), jnp.float32)
+  dout = _rand(rng, (6, hq, d), jnp.float32)
+  cu = np.array([0, 3, 4, 4, 10, 12, 40], np.int32)
+  ref = _numpy_reference(q, k, v, _ragged_rows(cu, t, 4), d ** -0.5)
+  f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu, max_kv_len=4,
+                                                       implementation=impl)
+  for impl in ("cpu", "xla"):
+    _assert_close(jax.jit(f(impl))(q, k, v), ref, TOL[jnp.float32], impl)
+  _, got = jax.jit(lambda *a: _vjp(f("cpu"), a, dout))(q, k, v)
+  _, want = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    _assert_close(g, w, GRAD_TOL[jnp.float32], name)
+  np.testing.assert_array_equal(np.asarray(got[1])[16:], 0)  # past the last row's 4 tokens
+  probs_shape = jax.eval_shape(lambda *a: jax.vjp(f("cpu"), *a)[1], q, k, v)
+  assert any(x.shape == (6, hq, 4) for x in jax.tree_util.tree_leaves(probs_shape))
 
 
 @needs_cpu_kernel
@@ -369,6 +393,9 @@ def _bad_cases():
       ("kv_cu_seqlens", dict(query=q, key=kr, value=kr, kv_cu_seqlens=cu[:4])),
       ("kv_lengths", dict(query=q, key=kr, value=kr, kv_cu_seqlens=cu,
                           kv_lengths=jnp.zeros((4,), jnp.int32))),
+      ("max_kv_len", dict(query=q, key=k, value=k, max_kv_len=4)),
+      ("max_kv_len", dict(query=q, key=kr, value=kr, kv_cu_seqlens=cu, max_kv_len=17)),
+      ("max_kv_len", dict(query=q, key=kr, value=kr, kv_cu_seqlens=cu, max_kv_len=2.0)),
       ("scale", dict(query=q, key=k, value=k, scale="big")),
       ("implementation", dict(query=q, key=k, value=k, implementation="triton")),
   ]
@@ -536,3 +563,38 @@ def test_gpu_vmap_and_default():
   got = jax.jit(jax.vmap(small_seq_attention))(q, k, v)  # implementation None -> cuda
   want = jax.vmap(functools.partial(small_seq_attention, implementation="xla"))(q, k, v)
   _assert_close(got, want, TOL[jnp.bfloat16])
+
+
+def _small_seq_custom_calls(fn, *args) -> list:
+  """The small-seq custom calls of fn's lowered program, each with its "kernel" attribute."""
+  hlo = jax.jit(fn).lower(*args).as_text()
+  return [line for line in hlo.splitlines() if "jaxcp_small_seq_" in line and "custom_call" in line]
+
+
+@needs_cpu_kernel
+def test_cpu_default_always_runs_the_kernel():
+  """prefer_xla is a GPU rule: on the CPU, implementation=None runs the CPU kernel for one key too."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU backend only")
+  q, k = jnp.zeros((4, 2, 16), jnp.float32), jnp.zeros((4, 1, 2, 16), jnp.float32)
+  assert _small_seq_custom_calls(lambda q, k: small_seq_attention(q, k, k), q, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skv,hq,hkv,want", [(1, 8, 8, None), (1, 4, 2, None), (1, 8, 2, "fwd = 3"),
+                                             (4, 8, 8, "fwd = 3"), (16, 8, 8, "fwd = 1"),
+                                             (4, 16, 4, "bwd = 1")])
+def test_gpu_default_dispatch_in_hlo(skv, hq, hkv, want):
+  """implementation=None: one key with groups of 1-2 heads runs the pure-JAX path (no custom call);
+  elsewhere the kernel families of dispatch.py, named in the custom call's "kernel" attribute
+  (1 = mma, 3 = lanes); implementation="cuda" always runs the kernels."""
+  q = jnp.zeros((64, hq, 64), jnp.bfloat16)
+  k = jnp.zeros((64, skv, hkv, 64), jnp.bfloat16)
+  grad = lambda impl: lambda q, k: jax.grad(
+      lambda q: small_seq_attention(q, k, k, implementation=impl).astype(jnp.float32).sum())(q)
+  calls = _small_seq_custom_calls(grad(None), q, k)
+  if want is None:
+    assert not calls
+    assert len(_small_seq_custom_calls(grad("cuda"), q, k)) == 2
+  else:
+    assert len(calls) == 2 and any(want in c for c in calls), calls

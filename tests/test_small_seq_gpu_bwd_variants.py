@@ -1,11 +1,10 @@
-"""GPU tests of the two CUDA small-seq backward kernels: the tensor-core backward ("mma", the
-default) and the float32 CUDA-core backward ("cuda_core", chosen by
-SmallSeqKernelOptions(cuda_core_bwd=True)).
+"""GPU tests of the CUDA small-seq backward kernel families (SmallSeqKernelOptions(bwd=...)): the
+tensor-core backward ("mma", groups up to 16 heads), the float32 CUDA-core backward ("cuda_core")
+and the lane-group backward ("lanes", groups of 1 or 2 heads whose K/V fit its registers).
 
-Both must agree with each other and with the gradients of the pure-JAX reference: zero-length
+Each must agree with "cuda_core" and with the gradients of the pure-JAX reference: zero-length
 rows (dq exactly zero), tokens no row attends (dk, dv exactly zero), clamped lengths / starts,
-key masks, GQA groups (one and two head tiles, and over 16 heads, where the default falls back
-to cuda_core), max_len 1..16 (one and two token tiles), head dims 64..512, bfloat16 and float16, and
+key masks, GQA groups (one and two head tiles, and over 16 heads, where only cuda_core runs), max_len 1..16 (one and two token tiles), head dims 64..512, bfloat16 and float16, and
 float16 gradients whose dS would overflow float16 without the kernel's power-of-two scaling.
 The saved probabilities of tokens not attended are NaN: the kernels must never use them.
 """
@@ -20,18 +19,25 @@ import pytest
 
 from jaxcp._src import registry
 from jaxcp._src.kernel_options import SmallSeqKernelOptions
+from jaxcp._src.small_seq import dispatch
 from jaxcp._src.small_seq.primitive import SmallSeqConfig, local_bwd
 from jaxcp._src.small_seq.reference import small_seq_reference
 
 from .helpers import padded_small_seq_index, rand, rows_close, token_mask_bits
 
 TOL = {jnp.bfloat16: 4e-2, jnp.float16: 8e-3}
-PAIR_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 3e-3}  # mma vs cuda_core: float32 sums, rounded once
+PAIR_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 3e-3}  # family vs cuda_core: float32 sums, rounded once
+
+
+def _families(q, k, config):
+  """The backward families that can run this shape, "cuda_core" (every shape) first."""
+  g, d = q.shape[1] // k.shape[-2], q.shape[-1]
+  return [f for f in ("cuda_core", "mma", "lanes") if dispatch.available("bwd", f, g, d, config.max_len)]
 
 
 def _backward(variant, q, k, v, probs, dout, index, config):
-  """(dq, dk, dv) as float32 numpy arrays from the named backward kernel ("mma" or "cuda_core")."""
-  config = dataclasses.replace(config, kernel=SmallSeqKernelOptions(cuda_core_bwd=variant == "cuda_core"))
+  """(dq, dk, dv) as float32 numpy arrays from the named backward kernel family."""
+  config = dataclasses.replace(config, kernel=SmallSeqKernelOptions(bwd=variant))
   registry.ensure_registered()  # the kernel primitives are called directly
   grads = jax.jit(lambda *a: local_bwd(*a, config))(q, k, v, probs, dout, *index)
   return tuple(np.asarray(g, np.float32) for g in grads)
@@ -44,15 +50,16 @@ def _check(dtype, q, k, v, dout, index, config, valid):
   _, pull = jax.vjp(lambda q, k, v: small_seq_reference(q, k, v, index, config)[0], q, k, v)
   ref = [np.asarray(jnp.asarray(g, jnp.float32)) for g in pull(dout)]
   probs = jnp.where(jnp.asarray(valid)[:, None, :], probs, jnp.nan)
-  got = {name: _backward(name, q, k, v, probs, dout, index, config)
-         for name in ("mma", "cuda_core")}
+  got = {name: _backward(name, q, k, v, probs, dout, index, config) for name in _families(q, k, config)}
   empty = ~valid.any(axis=1)
   for name, grads in got.items():
     for what, g, w in zip(("dq", "dk", "dv"), grads, ref):
       rows_close(g, w, TOL[dtype], f"{name} {what}")
     np.testing.assert_array_equal(grads[0][empty], 0, err_msg=f"{name}: dq of rows without a token")
-  for what, g, g1 in zip(("dq", "dk", "dv"), got["mma"], got["cuda_core"]):
-    rows_close(g, g1, PAIR_TOL[dtype], f"mma vs cuda_core {what}")
+  base = got.pop("cuda_core")
+  for name, grads in got.items():
+    for what, g, g1 in zip(("dq", "dk", "dv"), base, grads):
+      rows_close(g1, g, PAIR_TOL[dtype], f"cuda_core vs {name} {what}")
 
 
 def _padded_case(rng, dtype, d, s, hq, hkv, b, v_scale=1.0, dout_scale=1.0):
@@ -75,7 +82,11 @@ def _padded_case(rng, dtype, d, s, hq, hkv, b, v_scale=1.0, dout_scale=1.0):
     (jnp.float16, 64, 1, 2, 2, 500),
     (jnp.bfloat16, 128, 16, 32, 2, 300),   # group 16: two head tiles
     (jnp.float16, 256, 5, 24, 2, 200),     # group 12: a partial second head tile
-    (jnp.bfloat16, 128, 3, 64, 2, 200),    # group 32: cuda_core in both cases
+    (jnp.bfloat16, 128, 3, 64, 2, 200),    # group 32: only cuda_core
+    (jnp.bfloat16, 64, 12, 4, 2, 1000),    # lanes: group 2, 12 keys in its 16-token registers
+    (jnp.float16, 512, 8, 2, 2, 300),      # lanes: D 512 (two chunks per lane), 8 keys
+    (jnp.bfloat16, 256, 2, 1, 1, 1000),    # lanes: one head, one lane group per warp
+    (jnp.bfloat16, 128, 7, 3, 3, 999),     # lanes: two tasks per warp, the last warp half empty
 ])
 def test_gpu_bwd_variants_padded(dtype, d, s, hq, hkv, b):
   rng = np.random.default_rng(41)
@@ -123,28 +134,30 @@ def test_gpu_bwd_variants_ragged(dtype, d, hq, hkv):
 
 
 @pytest.mark.gpu
-def test_gpu_bwd_variant_switch():
+@pytest.mark.parametrize("hq,hkv", [(16, 4), (8, 8)])
+def test_gpu_bwd_variant_switch(hq, hkv):
   """The kernel option really selects another kernel (their float32 sums differ in the last
-  bits), and the default options run the tensor-core kernel."""
+  bits), and the default options run the family dispatch.py names for the shape."""
   rng = np.random.default_rng(44)
-  b, s, hq, hkv, d = 2000, 16, 16, 4, 128
+  b, s, d = 2000, 16, 128
   q = rand(rng, (b, hq, d), jnp.bfloat16)
   k, v = rand(rng, (b, s, hkv, d), jnp.bfloat16), rand(rng, (b, s, hkv, d), jnp.bfloat16)
   dout = rand(rng, (b, hq, d), jnp.bfloat16)
   index = (jnp.full((b,), s, jnp.int32), jnp.full((b,), -1, jnp.int32))
   config = SmallSeqConfig(d ** -0.5, s, False)
   probs = small_seq_reference(q, k, v, index, config)[1]
-  mma = _backward("mma", q, k, v, probs, dout, index, config)
-  cuda_core = _backward("cuda_core", q, k, v, probs, dout, index, config)
-  assert any(not np.array_equal(a, b) for a, b in zip(mma, cuda_core))
+  got = {f: _backward(f, q, k, v, probs, dout, index, config) for f in _families(q, k, config)}
+  for f in got:
+    if f != "cuda_core":
+      assert any(not np.array_equal(a, b) for a, b in zip(got[f], got["cuda_core"])), f
   default = jax.jit(lambda *a: local_bwd(*a, config))(q, k, v, probs, dout, *index)
-  for a, b in zip(default, mma):
+  for a, b in zip(default, got[dispatch.default_bwd(hq // hkv, d, s)]):
     np.testing.assert_array_equal(np.asarray(a, np.float32), b)
 
 
 @pytest.mark.gpu
 def test_gpu_bwd_million_rows():
-  """2^20 rows (a large grid), both kernels, against the reference."""
+  """2^20 rows (a large grid), every family, against the reference."""
   rng = np.random.default_rng(45)
   b, s, hq, hkv, d = 1 << 20, 2, 2, 1, 64
   q = rand(rng, (b, hq, d), jnp.bfloat16)

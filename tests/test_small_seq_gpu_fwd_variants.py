@@ -1,7 +1,8 @@
-"""GPU tests of the two CUDA small-seq forward kernels: the tensor-core forward ("mma", the default)
-and the float32 CUDA-core forward ("cuda_core", chosen by SmallSeqKernelOptions(cuda_core_fwd=True)).
+"""GPU tests of the CUDA small-seq forward kernel families (SmallSeqKernelOptions(fwd=...)): the
+tensor-core forward ("mma"), the float32 CUDA-core forward ("cuda_core") and the lane-group forward
+("lanes", where its registers hold the shape: small_seq/dispatch.py).
 
-Both must agree with each other and with the pure-JAX reference: outputs, saved probabilities,
+Each must agree with "mma" and with the pure-JAX reference: outputs, saved probabilities,
 zero-length rows (output and probabilities exactly zero), clamped lengths / starts, key masks,
 GQA groups (also over 16 heads: several head tiles), head dims 64..512, bfloat16 and float16.
 """
@@ -16,28 +17,35 @@ import pytest
 
 from jaxcp._src import registry
 from jaxcp._src.kernel_options import SmallSeqKernelOptions
+from jaxcp._src.small_seq import dispatch
 from jaxcp._src.small_seq.primitive import SmallSeqConfig, local_fwd
 from jaxcp._src.small_seq.reference import small_seq_reference
 
 from .helpers import padded_small_seq_index, rand, rows_close, token_mask_bits
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
-PAIR_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}  # mma vs cuda_core: both float32 math, rounded once
+PAIR_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3}  # family vs mma: float32 sums, rounded once
+
+
+def _families(q, k, config):
+  """The forward families that can run this shape, "mma" first."""
+  g, d = q.shape[1] // k.shape[-2], q.shape[-1]
+  return [f for f in ("mma", "cuda_core", "lanes") if dispatch.available("fwd", f, g, d, config.max_len)]
 
 
 def _forward(variant, q, k, v, index, config):
-  """(out, probs) as float32 numpy arrays from the named forward kernel ("mma" or "cuda_core")."""
-  config = dataclasses.replace(config, kernel=SmallSeqKernelOptions(cuda_core_fwd=variant == "cuda_core"))
+  """(out, probs) as float32 numpy arrays from the named forward kernel family."""
+  config = dataclasses.replace(config, kernel=SmallSeqKernelOptions(fwd=variant))
   registry.ensure_registered()  # the kernel primitives are called directly
   out, probs = jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, *index)
   return np.asarray(out, np.float32), np.asarray(probs)
 
 
 def _check(dtype, q, k, v, index, config, valid):
-  """Runs both kernels; valid: bool [B, max_len], the tokens each row attends."""
+  """Runs every family that fits; valid: bool [B, max_len], the tokens each row attends."""
   ref_out, ref_probs = small_seq_reference(q, k, v, index, config)
   ref_out, ref_probs = np.asarray(ref_out, np.float32), np.asarray(ref_probs)
-  got = {name: _forward(name, q, k, v, index, config) for name in ("mma", "cuda_core")}
+  got = {name: _forward(name, q, k, v, index, config) for name in _families(q, k, config)}
   empty = ~valid.any(axis=1)
   for name, (out, probs) in got.items():
     rows_close(out, ref_out, TOL[dtype], f"{name} out")
@@ -45,9 +53,10 @@ def _check(dtype, q, k, v, index, config, valid):
     np.testing.assert_array_equal(probs[np.broadcast_to(~valid[:, None, :], probs.shape)], 0,
                                   err_msg=f"{name}: probabilities of tokens not attended")
     np.testing.assert_array_equal(out[empty], 0, err_msg=f"{name}: rows without a token")
-  (out, probs), (out1, probs1) = got["mma"], got["cuda_core"]
-  rows_close(out, out1, PAIR_TOL[dtype], "mma vs cuda_core out")
-  np.testing.assert_allclose(probs, probs1, atol=5e-5, rtol=0, err_msg="mma vs cuda_core probs")
+  out, probs = got.pop("mma")
+  for name, (out1, probs1) in got.items():
+    rows_close(out, out1, PAIR_TOL[dtype], f"mma vs {name} out")
+    np.testing.assert_allclose(probs, probs1, atol=5e-5, rtol=0, err_msg=f"mma vs {name} probs")
 
 
 @pytest.mark.gpu
@@ -61,6 +70,10 @@ def _check(dtype, q, k, v, index, config, valid):
     (jnp.float16, 64, 1, 2, 2, 500),
     (jnp.bfloat16, 128, 3, 64, 2, 200),    # group 32: two head tiles
     (jnp.float16, 256, 16, 40, 2, 100),    # group 20: a partial second head tile
+    (jnp.bfloat16, 64, 12, 4, 2, 1000),    # lanes: group 2, 12 keys in its 16-token registers
+    (jnp.float16, 512, 8, 2, 2, 300),      # lanes: D 512 (two chunks per lane), 8 keys
+    (jnp.bfloat16, 256, 2, 1, 1, 1000),    # lanes: one head, one lane group per warp
+    (jnp.bfloat16, 128, 7, 3, 3, 999),     # lanes: two tasks per warp, the last warp half empty
 ])
 def test_gpu_fwd_variants_padded(dtype, d, s, hq, hkv, b):
   rng = np.random.default_rng(31)
@@ -96,25 +109,27 @@ def test_gpu_fwd_variants_ragged(dtype, d, hq, hkv):
 
 
 @pytest.mark.gpu
-def test_gpu_fwd_variant_switch():
+@pytest.mark.parametrize("hq,hkv", [(16, 4), (8, 8)])
+def test_gpu_fwd_variant_switch(hq, hkv):
   """The kernel option really selects another kernel (their float32 sums differ in the last
-  bits), and the default options run the tensor-core kernel."""
+  bits), and the default options run the family dispatch.py names for the shape."""
   rng = np.random.default_rng(33)
-  b, s, hq, hkv, d = 2000, 16, 16, 4, 128
+  b, s, d = 2000, 16, 128
   q = rand(rng, (b, hq, d), jnp.bfloat16)
   k, v = rand(rng, (b, s, hkv, d), jnp.bfloat16), rand(rng, (b, s, hkv, d), jnp.bfloat16)
   index = (jnp.full((b,), s, jnp.int32), jnp.full((b,), -1, jnp.int32))
   config = SmallSeqConfig(d ** -0.5, s, False)
-  _, probs = _forward("mma", q, k, v, index, config)
-  _, probs1 = _forward("cuda_core", q, k, v, index, config)
-  assert not np.array_equal(probs, probs1)
+  probs = {f: _forward(f, q, k, v, index, config)[1] for f in _families(q, k, config)}
+  for f in probs:
+    if f != "mma":
+      assert not np.array_equal(probs[f], probs["mma"]), f
   probs0 = np.asarray(jax.jit(lambda *a: local_fwd(*a, config))(q, k, v, *index)[1])
-  np.testing.assert_array_equal(probs0, probs)
+  np.testing.assert_array_equal(probs0, probs[dispatch.default_fwd(hq // hkv, d, s)])
 
 
 @pytest.mark.gpu
 def test_gpu_fwd_million_rows():
-  """2^20 rows (a large grid), both kernels, against the reference."""
+  """2^20 rows (a large grid), every family, against the reference."""
   rng = np.random.default_rng(34)
   b, s, hq, hkv, d = 1 << 20, 2, 2, 1, 64
   q = rand(rng, (b, hq, d), jnp.bfloat16)

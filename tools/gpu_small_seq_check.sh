@@ -3,8 +3,12 @@
 # small-seq GPU tests and benchmarks/bench_small_seq.py (timings, bandwidth vs a device copy,
 # memory vs inputs + outputs + saved probabilities). Outputs go to $OUT (the device tool's
 # folder) or ./gpu_results: build.log, small_seq_tests.log, small_seq_<kind>.{json,md}, bench log.
-#   bash tools/gpu_small_seq_check.sh [all|tests|bench|memcheck]   (default all = tests + bench)
+#   bash tools/gpu_small_seq_check.sh [all|tests|bench|memcheck|sweep [sweep args]]
+#   (default all = tests + bench)
 # memcheck: compute-sanitizer over a few small-seq calls (clamped lengths, ragged, GQA, grads).
+# sweep: benchmarks/bench_small_seq.py --sweep split over every GPU of the host (one process per
+# GPU, --part i/n), then benchmarks/plot_small_seq.py merges the parts (small_seq_sweep_*.{json,
+# md,png}); further arguments go to each sweep process (e.g. --variants mma,lanes --dims 64).
 # Offline hosts: put nvidia-cutlass (and any other missing wheel) in .whl/ first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +41,22 @@ if [[ "$what" == "memcheck" ]]; then
   rc=$?
   echo "memcheck exit $rc ($(grep -c 'Invalid' "$OUT/small_seq_memcheck.log") invalid accesses)"
   tail -3 "$OUT/small_seq_memcheck.log"
+fi
+if [[ "$what" == "sweep" ]]; then
+  shift
+  n=$(nvidia-smi -L | wc -l)
+  for ((i = 0; i < n; i++)); do
+    # each process on its own GPU and its own share of the cores (compiles of one must not stall
+    # the timings of another)
+    cores=$(( $(nproc) / n ))
+    CUDA_VISIBLE_DEVICES=$i taskset -c $((i * cores))-$((i * cores + cores - 1)) timeout "${SWEEP_TIMEOUT_S:-540}" python3 benchmarks/bench_small_seq.py \
+      --sweep --part "$i/$n" --out "$OUT" "$@" > "$OUT/sweep_part$i.log" 2>&1 &
+  done
+  wait
+  python3 benchmarks/plot_small_seq.py "$OUT"/small_seq_sweep_*_part*.json --out "$OUT" \
+    > "$OUT/sweep_plot.log" 2>&1
+  rc=$?
+  tail -30 "$OUT/sweep_plot.log"
 fi
 echo "total $((SECONDS - t0)) s"
 exit $rc

@@ -1,5 +1,6 @@
 """Small-sequence attention calls for compute-sanitizer: lengths out of range (clamped), ragged
-cu_seqlens past the end, GQA, head dims 64-512, forward and gradients."""
+cu_seqlens past the end, GQA, head dims 64-512, forward and gradients; the tensor-core kernels
+(11 keys, groups of 3-4) and the lane-group kernels (5 and 8 keys, groups of 1-2)."""
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -19,10 +20,16 @@ lengths = jnp.asarray(rng.integers(-3, s + 4, b), jnp.int32)  # out of range: cl
 for hq, hkv, d in ((8, 2, 128), (6, 2, 256), (4, 4, 512)):
   grads(lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths),
         r(b, hq, d), r(b, s, hkv, d), r(b, s, hkv, d))
+lengths5 = jnp.asarray(rng.integers(-3, 9, b), jnp.int32)
+for hq, hkv, d in ((4, 4, 64), (4, 2, 512), (3, 3, 128)):  # lane groups (3 x 128: half-empty warps)
+  grads(lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths5),
+        r(b, hq, d), r(b, 5, hkv, d), r(b, 5, hkv, d))
 lens = rng.integers(0, 21, b)
 cu = np.concatenate([[5], 5 + np.cumsum(lens)]).astype(np.int32)
 cu[-1] += 1000  # past the end: clamped
 t = int(cu[-2]) + 7
 grads(lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu),
       r(b, 8, 64), r(t, 2, 64), r(t, 2, 64))
+grads(lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu, max_kv_len=8),
+      r(b, 4, 128), r(t, 2, 128), r(t, 2, 128))  # lane groups, rows past 8 tokens cut
 print("small-seq sanitizer case done")

@@ -45,5 +45,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcp::MaskAttrs, ::xla::ffi::StructMember
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcp::AttentionKernelOptions, ::xla::ffi::StructMember<bool>("sm80_only"),
                                       ::xla::ffi::StructMember<bool>("fwd_fixed_tiles"));
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcp::SmallSeqKernelOptions, ::xla::ffi::StructMember<bool>("cuda_core_fwd"),
-                                      ::xla::ffi::StructMember<bool>("cuda_core_bwd"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxcp::SmallSeqKernelOptions, ::xla::ffi::StructMember<int32_t>("fwd"),
+                                      ::xla::ffi::StructMember<int32_t>("bwd"));

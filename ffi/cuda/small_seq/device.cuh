@@ -228,16 +228,31 @@ struct Task {
   uint32_t mask;
 };
 
-__device__ __forceinline__ bool task_of(const Params& p, Task* t) {
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (w >= p.batch * p.kv_heads) return false;
-  t->b = w / p.kv_heads;
-  t->g = static_cast<int>(w - t->b * p.kv_heads);
+// Task w = (row b, key/value head g) with its clamped token range; false (and an empty task) past
+// the last one.
+__device__ __forceinline__ bool task_at(const Params& p, int64_t w, Task* t) {
+  if (w >= p.batch * p.kv_heads) {
+    *t = Task{0, 0, 0, 0, 0u};
+    return false;
+  }
+  if (w < 0x7fffffff && p.kv_heads < 0x7fffffff) {  // 32-bit division: a third of the cost
+    const uint32_t b = static_cast<uint32_t>(w) / static_cast<uint32_t>(p.kv_heads);
+    t->b = b;
+    t->g = static_cast<int>(static_cast<uint32_t>(w) - b * static_cast<uint32_t>(p.kv_heads));
+  } else {
+    t->b = w / p.kv_heads;
+    t->g = static_cast<int>(w - t->b * p.kv_heads);
+  }
   t->start = min(max(static_cast<int64_t>(p.kv_start[t->b]), int64_t{0}), p.tokens);
   const int len = min(max(p.kv_len[t->b], 0), p.max_len);
   t->len = static_cast<int>(min(static_cast<int64_t>(len), p.tokens - t->start));
   t->mask = static_cast<uint32_t>(p.kv_mask[t->b]);
   return true;
+}
+
+// The warp's task (one warp per task).
+__device__ __forceinline__ bool task_of(const Params& p, Task* t) {
+  return task_at(p, static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5), t);
 }
 
 __device__ __forceinline__ bool allowed(uint32_t mask, int j) { return (mask >> j) & 1u; }
@@ -325,16 +340,16 @@ __device__ __forceinline__ int64_t next_start(const Params& p, const Task& t) {
 }
 
 // Zeroes the dk/dv tokens no row covers: from the end of this row to `next` (next_start), and
-// before the first row.
+// before the first row. `lane` of the `lanes` (a power of two, <= 32) that share the task.
 template <typename T, int D>
 __device__ __forceinline__ void zero_uncovered(const Params& p, const Task& t, int lane,
-                                               int64_t next) {
+                                               int64_t next, int lanes = 32) {
   using Geo = Geometry<D>;
   T* dk = static_cast<T*>(p.dk);
   T* dv = static_cast<T*>(p.dv);
   const uint4 zero = make_uint4(0, 0, 0, 0);
   auto zero_tokens = [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lane; i < (hi - lo) * Geo::kChunks; i += 32) {
+    for (int64_t i = lane; i < (hi - lo) * Geo::kChunks; i += lanes) {
       const int64_t tok = lo + i / Geo::kChunks;
       const int c = static_cast<int>(i % Geo::kChunks);
       const int64_t off = (tok * p.kv_heads + t.g) * D + c * 8;

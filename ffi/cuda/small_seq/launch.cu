@@ -3,17 +3,23 @@
 // (row b, key/value head g) pair, and stages its K/V tokens and the G = Hq/Hkv query rows of the
 // group into the warp's slice of shared memory (device.cuh).
 //
-// Kernels: on tensor cores (mma.sync; fwd_mma.cuh, bwd_mma.cuh), the default; in float32 on the
-// CUDA cores (fwd_cuda_core.cuh, bwd_cuda_core.cuh) when SmallSeqArgs::kernel asks for them, and
-// for the backward of GQA groups of more than 16 heads (the tensor-core backward keeps the dS of
-// at most 16 heads in registers).
+// Kernel families (SmallSeqKernel, named by SmallSeqArgs::kernel; the Python layer picks them,
+// src/jaxcp/_src/small_seq/dispatch.py):
+// - lanes (fwd_lanes.cuh, bwd_lanes.cuh): D/8 lanes per task, K/V in registers, float32 math;
+// - mma (fwd_mma.cuh, bwd_mma.cuh): one warp per task, math on tensor cores (mma.sync);
+// - cuda_core (fwd_cuda_core.cuh, bwd_cuda_core.cuh): one warp per task, float32 math; the only
+//   backward for GQA groups of more than 16 heads (the tensor-core one keeps the dS of at most 16
+//   heads in registers).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "bwd_cuda_core.cuh"
+#include "bwd_lanes.cuh"
 #include "bwd_mma.cuh"
 #include "fwd_cuda_core.cuh"
+#include "fwd_lanes.cuh"
 #include "fwd_mma.cuh"
 #include "launchers.h"
 
@@ -128,11 +134,72 @@ Params make_params(const SmallSeqArgs& a) {
   return p;
 }
 
-// The tensor-core kernels unless the kernel options ask for the CUDA-core ones.
+// ---------------------------------------------------------------- lane-group kernels
+
+// The register arrays of a lane-group kernel hold NT >= max_len tokens: 2, 4, 8 or 16.
+int lanes_tokens(int64_t max_len) {
+  return max_len <= 2 ? 2 : max_len <= 4 ? 4 : max_len <= 8 ? 8 : 16;
+}
+
+// Whether the lane-group kernels hold a task's K/V in registers: 2 x NT x D/8/L chunks of 16
+// bytes per lane, at most 32 (D = 512 up to 8 tokens); the backward also the group's P and dS,
+// for groups of 1 or 2 query heads. dispatch.py has the same limits.
+bool lanes_fwd_fits(const SmallSeqArgs& a) { return a.head_dim <= 256 || a.max_len <= 8; }
+bool lanes_bwd_fits(const SmallSeqArgs& a, int group) { return lanes_fwd_fits(a) && group <= 2; }
+
+// Calls f(std::integral_constant<int, NT>) for the max_len's NT.
+template <typename F>
+cudaError_t with_tokens(int64_t max_len, F&& f) {
+  switch (lanes_tokens(max_len)) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: return f(std::integral_constant<int, 16>{});
+  }
+}
+
+template <typename Kernel>
+cudaError_t launch_lanes(Kernel kernel, const SmallSeqArgs& a, int lanes, const Params& p,
+                         cudaStream_t stream) {
+  const int64_t threads = a.batch * a.kv_heads * lanes;
+  if (threads == 0) return cudaSuccess;
+  const int64_t blocks = (threads + kLanesBlockThreads - 1) / kLanesBlockThreads;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  kernel<<<static_cast<unsigned>(blocks), kLanesBlockThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, int D>
-cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  if (a.kernel.cuda_core_fwd)
-    return launch_default(small_seq_fwd_kernel<T, D>, a, Pass::kFwdCudaCore, p, s);
+cudaError_t fwd_lanes(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  if (!lanes_fwd_fits(a)) return cudaErrorInvalidValue;
+  return with_tokens(a.max_len, [&](auto nt) -> cudaError_t {
+    constexpr int NT = decltype(nt)::value;
+    if constexpr (D == 512 && NT > 8) {
+      return cudaErrorInvalidValue;
+    } else {
+      return launch_lanes(small_seq_fwd_lanes_kernel<T, D, NT>, a, Lanes<D>::kL, p, s);
+    }
+  });
+}
+
+template <typename T, int D>
+cudaError_t bwd_lanes(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  if (!lanes_bwd_fits(a, p.group)) return cudaErrorInvalidValue;
+  return with_tokens(a.max_len, [&](auto nt) -> cudaError_t {
+    constexpr int NT = decltype(nt)::value;
+    if constexpr (D == 512 && NT > 8) {
+      return cudaErrorInvalidValue;
+    } else {
+      return p.group == 1 ? launch_lanes(small_seq_bwd_lanes_kernel<T, D, NT, 1>, a, Lanes<D>::kL, p, s)
+                          : launch_lanes(small_seq_bwd_lanes_kernel<T, D, NT, 2>, a, Lanes<D>::kL, p, s);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- per family
+
+template <typename T, int D>
+cudaError_t fwd_mma(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
   const size_t per_warp = warp_smem_bytes(a, Pass::kFwdMma);
   BlockShape shape;
   if (cudaError_t e = occupancy_shape(per_warp, row_bytes(a), &shape); e != cudaSuccess) return e;
@@ -141,10 +208,8 @@ cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
 }
 
 template <typename T, int D>
-cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  // The tensor-core backward keeps the dS of at most 16 heads in registers.
-  if (a.kernel.cuda_core_bwd || p.group > 16)
-    return launch_default(small_seq_bwd_kernel<T, D>, a, Pass::kBwdCudaCore, p, s);
+cudaError_t bwd_mma(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  if (p.group > 16) return cudaErrorInvalidValue;  // dS of at most 16 heads in registers
   const size_t per_warp = warp_smem_bytes(a, Pass::kBwdMma);
   BlockShape shape;
   if (cudaError_t e = occupancy_shape(per_warp, row_bytes(a), &shape); e != cudaSuccess) return e;
@@ -154,6 +219,28 @@ cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
                           : launch(small_seq_bwd_mma_kernel<T, D, 1, 2>, a, shape, per_warp, p, s);
   return one_token_tile ? launch(small_seq_bwd_mma_kernel<T, D, 2, 1>, a, shape, per_warp, p, s)
                         : launch(small_seq_bwd_mma_kernel<T, D, 2, 2>, a, shape, per_warp, p, s);
+}
+
+template <typename T, int D>
+cudaError_t fwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  switch (static_cast<SmallSeqKernel>(a.kernel.fwd)) {
+    case SmallSeqKernel::kLanes: return fwd_lanes<T, D>(a, p, s);
+    case SmallSeqKernel::kMma: return fwd_mma<T, D>(a, p, s);
+    case SmallSeqKernel::kCudaCore:
+      return launch_default(small_seq_fwd_kernel<T, D>, a, Pass::kFwdCudaCore, p, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T, int D>
+cudaError_t bwd_typed(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
+  switch (static_cast<SmallSeqKernel>(a.kernel.bwd)) {
+    case SmallSeqKernel::kLanes: return bwd_lanes<T, D>(a, p, s);
+    case SmallSeqKernel::kMma: return bwd_mma<T, D>(a, p, s);
+    case SmallSeqKernel::kCudaCore:
+      return launch_default(small_seq_bwd_kernel<T, D>, a, Pass::kBwdCudaCore, p, s);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T>

@@ -1,7 +1,7 @@
 """Which CUDA kernel runs: private options, for tests and measurements.
 
 The public API always runs the best kernel for the device. These options pick an alternative
-(the kernels an A100 runs, a fixed tiling, the older float32 small-seq kernels) by argument: they
+(the kernels an A100 runs, a fixed tiling, another small-seq kernel family) by argument: they
 are part of the primitives' static parameters, so a call with other options is another jit
 cache entry, and they reach the CUDA handlers as the FFI attribute ``kernel`` (visible in the
 HLO). The CPU kernels and the "xla" reference have one implementation each and ignore them.
@@ -12,6 +12,8 @@ Entry points: ``jaxcp._src.attention.api.attention_with_options`` and
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,21 +35,36 @@ class AttentionKernelOptions:
     return {f.name: bool(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
+# Small-seq kernel families and their codes in ffi/common/kernel_options.h (SmallSeqKernel);
+# "auto" is resolved to one of them before lowering (small_seq/dispatch.py).
+SMALL_SEQ_KERNELS = {"mma": 1, "cuda_core": 2, "lanes": 3}
+
+
 @dataclasses.dataclass(frozen=True)
 class SmallSeqKernelOptions:
-  """CUDA small-sequence kernels (ffi/common/kernel_options.h has the same fields).
-
-  cuda_core_fwd / cuda_core_bwd: the forward / backward in float32 on the CUDA cores instead of
-    on tensor cores (the backward runs there anyway for GQA groups of more than 16 heads).
+  """CUDA small-sequence kernels for the forward and the backward (ffi/common/kernel_options.h):
+    "auto": the measured rule of small_seq/dispatch.py (what the public API runs);
+    "mma": one warp per (row, key/value head), the math on tensor cores;
+    "cuda_core": one warp per (row, key/value head), float32 math on the CUDA cores;
+    "lanes": D/8 lanes per (row, key/value head) holding its K/V in registers, float32 math
+      (forward: head dims 64-256, and 512 up to 8 keys; backward: groups of 1 or 2 query heads).
+  A family that cannot run a shape fails the call (cudaErrorInvalidValue).
   """
-  cuda_core_fwd: bool = False
-  cuda_core_bwd: bool = False
+  fwd: str = "auto"
+  bwd: str = "auto"
 
   def __post_init__(self):
-    _check_bools(self)
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if value != "auto" and value not in SMALL_SEQ_KERNELS:
+        raise ValueError(f"SmallSeqKernelOptions.{f.name} must be 'auto' or one of "
+                         f"{sorted(SMALL_SEQ_KERNELS)}, got {value!r}.")
 
   def ffi_attrs(self) -> dict:
-    return {f.name: bool(getattr(self, f.name)) for f in dataclasses.fields(self)}
+    """The families' codes; "auto" must have been resolved (small_seq/dispatch.py)."""
+    if "auto" in (self.fwd, self.bwd):
+      raise ValueError(f"{self} still has an 'auto' kernel: resolve it with small_seq.dispatch first.")
+    return {f.name: np.int32(SMALL_SEQ_KERNELS[getattr(self, f.name)]) for f in dataclasses.fields(self)}
 
 
 def _check_bools(options) -> None:

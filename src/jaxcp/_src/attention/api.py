@@ -211,7 +211,8 @@ def _attention(query, key, value, *, segment_ids=None, positions=None, kv_segmen
   # One query against at most 16 keys: the memory-bound small-sequence kernel (same results).
   if impl != "xla" and dv == d and small_seq_eligible(
       query, key, implementation=impl, return_residual=return_residual, context_parallel_axis=context_parallel_axis):
-    return small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, float(scale), impl)
+    return small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, float(scale), impl,
+                                    auto=implementation is None)
 
   if impl == "xla":
     if context_parallel_axis is not None:  # inside shard_map: the reference sees all of K/V

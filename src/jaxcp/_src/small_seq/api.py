@@ -18,7 +18,7 @@ from .. import registry
 from ..kernel_options import SmallSeqKernelOptions, check_options
 from ..masks import allowed_pairs
 from ..primitive_utils import CUDA_DTYPES, check_int_array, choose_implementation
-from . import sharding  # noqa: F401  (gives the primitives their partitioned lowering)
+from . import dispatch, sharding  # noqa: F401  (gives the primitives their partitioned lowering)
 from .primitive import MAX_KV_LEN, SmallSeqConfig, small_seq_bwd_p, small_seq_fwd_p
 from .reference import small_seq_reference
 
@@ -60,8 +60,11 @@ def _check_scale(scale, head_dim) -> float:
   return float(scale)
 
 
-def _run(query, key, value, index, config, impl):
-  if impl == "xla":
+def _run(query, key, value, index, config, impl, auto=False):
+  """The call on `impl`; auto (implementation=None) also takes the pure-JAX path where it is the
+  faster one on a GPU (dispatch.prefer_xla)."""
+  group = query.shape[1] // key.shape[-2]
+  if impl == "xla" or (auto and impl == "cuda" and dispatch.prefer_xla(group, config.max_len)):
     return small_seq_reference(query, key, value, index, config)[0]
   registry.ensure_registered()
   return _kernel_call(query, key, value, tuple(index), config)
@@ -82,8 +85,8 @@ def ragged_rows(cu, tokens: int):
   return start, jnp.where(broken, 0, end - start)
 
 
-def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=None, scale=None,
-                        implementation=None):
+def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=None, max_kv_len=None,
+                        scale=None, implementation=None):
   """Attention of one query token per sequence over at most 16 key/value tokens.
 
   Two layouts:
@@ -92,8 +95,8 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
     [0, Skv] are clamped into it.
   - ragged: key/value [Tkv, Hkv, D] with kv_cu_seqlens int32 [B+1]: row b attends to tokens
     [cu[b], cu[b+1]). cu_seqlens is clamped into [0, Tkv]; from the first row whose end is
-    below its start on, rows are empty (see `ragged_rows`). A row longer than 16 tokens attends
-    to its first 16 (its other tokens get zero gradients).
+    below its start on, rows are empty (see `ragged_rows`). A row longer than max_kv_len
+    tokens attends to its first max_kv_len (its other tokens get zero gradients).
 
   Rows with no token get output 0 and zero gradients. The forward saves the softmax
   probabilities (float32 [B, Hq, Skv]) for the backward, not the LSE.
@@ -103,8 +106,13 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
     key, value: as above, same dtype as query (bfloat16, float16; float32 on the CPU).
     kv_lengths: padded layout only.
     kv_cu_seqlens: ragged layout only (required there).
+    max_kv_len: ragged layout only: a Python int in [1, 16], the most tokens a row attends
+      (default 16). The saved probabilities have this many columns and the kernels size their
+      registers by it: pass the real bound when rows are short.
     scale: softmax scale, default D ** -0.5.
-    implementation: None (best available), "cuda" (head dims 64, 128, 256, 512; bf16/f16),
+    implementation: None (the fastest for the device and shape: the CUDA kernels on a GPU, but
+      the pure-JAX path for one key and groups of 1-2 heads, where XLA's fused program wins;
+      see small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512; bf16/f16),
       "cpu" or "xla" (pure-JAX reference).
 
   Returns:
@@ -113,20 +121,21 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
   Sharding: under jit with NamedSharding inputs, the batch axis (padded layout) and the head axis
   (when Hq and Hkv both divide by its size) shard with no collective; otherwise they replicate.
   """
-  return _small_seq_attention(query, key, value, kv_lengths=kv_lengths, kv_cu_seqlens=kv_cu_seqlens, scale=scale,
-                              implementation=implementation, kernel_options=SmallSeqKernelOptions())
+  return _small_seq_attention(query, key, value, kv_lengths=kv_lengths, kv_cu_seqlens=kv_cu_seqlens,
+                              max_kv_len=max_kv_len, scale=scale, implementation=implementation,
+                              kernel_options=SmallSeqKernelOptions())
 
 
 def small_seq_attention_with_options(query, key, value, *, kernel_options: SmallSeqKernelOptions, **kwargs):
   """`jaxcp.small_seq_attention` (same keyword arguments) with CUDA kernels picked by
   `kernel_options` (private: tests and measurements; see kernel_options.py), e.g.
-  ``kernel_options=SmallSeqKernelOptions(cuda_core_fwd=True)``."""
+  ``kernel_options=SmallSeqKernelOptions(fwd="cuda_core")``."""
   return _small_seq_attention(query, key, value, kernel_options=check_options(kernel_options, SmallSeqKernelOptions),
                               **kwargs)
 
 
-def _small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=None, scale=None,
-                         implementation=None, kernel_options=SmallSeqKernelOptions()):
+def _small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=None, max_kv_len=None,
+                         scale=None, implementation=None, kernel_options=SmallSeqKernelOptions()):
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
       raise ValueError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}.")
@@ -145,6 +154,9 @@ def _small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=No
     if kv_cu_seqlens is not None:
       raise ValueError("kv_cu_seqlens is for the ragged layout (key/value [Tkv, Hkv, D]); with "
                        "padded key/value [B, Skv, Hkv, D] pass kv_lengths instead.")
+    if max_kv_len is not None:
+      raise ValueError("max_kv_len is for the ragged layout; padded key/value [B, Skv, Hkv, D] "
+                       "attend to at most Skv tokens (pass kv_lengths for shorter rows).")
     if key.shape[0] != b:
       raise ValueError(f"key batch {key.shape[0]} != query batch {b}.")
     skv = key.shape[1]
@@ -168,7 +180,12 @@ def _small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=No
       raise ValueError("key/value must hold at least one token (Tkv >= 1).")
     cu = check_int_array("kv_cu_seqlens", kv_cu_seqlens, (b + 1,))
     start, length = ragged_rows(cu, t)
-    ragged, max_len = True, min(MAX_KV_LEN, t)
+    if max_kv_len is None:
+      max_kv_len = MAX_KV_LEN
+    elif isinstance(max_kv_len, bool) or not isinstance(max_kv_len, (int, np.integer)) or not (
+        1 <= max_kv_len <= MAX_KV_LEN):
+      raise ValueError(f"max_kv_len must be a Python int in [1, {MAX_KV_LEN}], got {max_kv_len!r}.")
+    ragged, max_len = True, min(int(max_kv_len), t)
   else:
     raise ValueError(f"key must have rank 4 [B, Skv, Hkv, D] (padded) or rank 3 [Tkv, Hkv, D] "
                      f"(ragged, with kv_cu_seqlens), got shape {key.shape}.")
@@ -183,7 +200,7 @@ def _small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=No
   mask = jnp.full((b,), _ALL_TOKENS, jnp.int32)
   index = (start, length, mask) if ragged else (length, mask)
   config = SmallSeqConfig(scale, max_len, ragged, kernel_options)
-  return _run(query, key, value, index, config, impl)
+  return _run(query, key, value, index, config, impl, auto=implementation is None)
 
 
 # ---------------------------------------------------------------- use from jaxcp.attention
@@ -218,13 +235,14 @@ def small_seq_eligible(query, key, *, implementation, return_residual=False,
 
 
 def small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, spec, scale,
-                             implementation):
+                             implementation, auto=False):
   """`jaxcp.attention` for an eligible call (see `small_seq_eligible`), differentiable.
 
   Args:
     query [B, 1, Hq, D], key/value [B, Skv, Hkv, D]: validated by jaxcp.attention.
     q_seg, q_pos [B, 1], kv_seg, kv_pos [B, Skv]: int32 token arrays from masks.token_arrays.
-    spec: the MaskSpec; scale: Python float; implementation: "cuda" or "cpu".
+    spec: the MaskSpec; scale: Python float; implementation: "cuda" or "cpu"; auto: the caller
+    passed implementation=None (the pure-JAX path may win, see dispatch.prefer_xla).
   Returns:
     out [B, 1, Hq, D] in query's dtype, equal to jaxcp.attention's output (rows without an
     allowed key give 0). Gradients flow to query, key and value.
@@ -236,5 +254,5 @@ def small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, sp
   mask = jnp.sum(jnp.where(allowed, bits, 0), axis=1, dtype=jnp.int32)
   length = jnp.full((b,), skv, jnp.int32)
   config = SmallSeqConfig(float(scale), skv, False)
-  out = _run(query.reshape(b, hq, d), key, value, (length, mask), config, implementation)
+  out = _run(query.reshape(b, hq, d), key, value, (length, mask), config, implementation, auto)
   return out.reshape(b, 1, hq, d)

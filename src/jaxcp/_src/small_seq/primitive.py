@@ -19,6 +19,7 @@ import numpy as np
 from .. import compat
 from ..kernel_options import SmallSeqKernelOptions
 from ..primitive_utils import make_primitive, register_ffi_lowering
+from . import dispatch
 
 FWD_TARGET = "jaxcp_small_seq_fwd"
 BWD_TARGET = "jaxcp_small_seq_bwd"
@@ -85,9 +86,16 @@ def _flat_kv(k, v, index, config):
   return k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), start, length, mask
 
 
+def _resolved(config, q, k):
+  """config with its "auto" kernels named for this shape (dispatch.py)."""
+  kernel = dispatch.resolve(config.kernel, q.shape[1] // k.shape[-2], q.shape[-1], config.max_len)
+  return dataclasses.replace(config, kernel=kernel)
+
+
 def local_fwd(q, k, v, *index_and_config):
   """Unpartitioned forward on local arrays: (out, probs)."""
   *index, config = index_and_config
+  config = _resolved(config, q, k)
   k3, v3, start, length, mask = _flat_kv(k, v, index, config)
   return tuple(small_seq_fwd_kernel_p.bind(q, k3, v3, start, length, mask, config=config))
 
@@ -95,6 +103,7 @@ def local_fwd(q, k, v, *index_and_config):
 def local_bwd(q, k, v, probs, dout, *index_and_config):
   """Unpartitioned backward on local arrays: (dq, dk, dv)."""
   *index, config = index_and_config
+  config = _resolved(config, q, k)
   k3, v3, start, length, mask = _flat_kv(k, v, index, config)
   dq, dk, dv = small_seq_bwd_kernel_p.bind(q, k3, v3, probs, dout, start, length, mask,
                                            config=config)

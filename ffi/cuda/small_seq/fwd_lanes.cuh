@@ -1,0 +1,77 @@
+// Small-seq forward on lane groups (lanes.cuh): float32 math on the CUDA cores, K/V in registers.
+// NT (2, 4, 8 or 16, >= max_len) sizes the register arrays; tokens the row does not attend are
+// neither loaded nor counted. Per query head of the group (its Q row prefetched during the
+// previous head): scores, a softmax every lane of the group computes redundantly, the
+// probabilities written by lane j mod L, then O = P V.
+#pragma once
+#include "lanes.cuh"
+
+namespace jaxcp::cuda::small_seq {
+
+template <typename T, int D, int NT>
+__global__ void __launch_bounds__(kLanesBlockThreads) small_seq_fwd_lanes_kernel(const Params p) {
+  constexpr int L = Lanes<D>::kL, C = Lanes<D>::kC;
+  const LaneTask<D> lt(p);
+  const Task& t = lt.t;
+  const int G = p.group, ML = p.max_len;
+  const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
+  const T* q = static_cast<const T*>(p.q) + row0 * D + lt.lane * 8;
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+
+  uint4 qr[C], kr[NT][C], vr[NT][C];
+  bool ok[NT];
+  load_row<T, D>(q, lt.has, qr);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    ok[j] = lt.attends(j);
+    const int64_t off = ok[j] ? lt.kv_offset(p, j) : 0;
+    load_row<T, D>(k + off, ok[j], kr[j]);
+    load_row<T, D>(v + off, ok[j], vr[j]);
+  }
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int cc = 0; cc < C; ++cc) {
+        opaque(kr[j][cc]);
+        opaque(vr[j][cc]);
+      }
+    float qf[C][8];
+    unpack_row<T, D>(qr, qf);
+    if (h + 1 < G) load_row<T, D>(q + (h + 1) * D, lt.has, qr);
+
+    float s[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j] = lane_dot<T, D>(qf, kr[j]);
+    group_sum<L>(s);
+    float m = -INFINITY, l = 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      s[j] = ok[j] ? s[j] * scale_log2 : -INFINITY;
+      m = fmaxf(m, s[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      s[j] = ok[j] ? exp2f(s[j] - m) : 0.f;
+      l += s[j];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float o[C][8] = {};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      s[j] *= inv;
+      lane_axpy<T, D>(s[j], vr[j], o);
+    }
+    if (!lt.has) continue;
+    float* prow = p.probs_out + (row0 + h) * ML;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      if (j % L == lt.lane && j < ML) prow[j] = s[j];
+    store_row<T, D>(static_cast<T*>(p.out) + (row0 + h) * D + lt.lane * 8, o, 1.f);
+  }
+}
+
+}  // namespace jaxcp::cuda::small_seq

@@ -1,0 +1,73 @@
+"""Which CUDA small-seq kernel family runs, per static shape (group G = Hq/Hkv, head dim D,
+max_len): the measured rule behind SmallSeqKernelOptions' "auto". The choice is made at trace time
+and reaches the CUDA handler as the FFI attribute ``kernel`` (visible in the HLO).
+
+Families (ffi/cuda/small_seq/launch.cu):
+  lanes     : D/8 lanes per (row, key/value head), K/V in registers, float32 math. Its registers
+              hold 2 x NT x D/8/L chunks (NT = max_len rounded up to 2, 4, 8, 16; L = min(32,
+              D/8) lanes), so D = 512 only up to 8 keys; the backward also holds the group's P
+              and dS: groups of 1 or 2 query heads.
+  mma       : one warp per (row, key/value head), math on tensor cores; backward groups <= 16.
+  cuda_core : one warp per (row, key/value head), float32 math; any group.
+Rule (measured on 4 x H200, 2026-11-27, benchmarks/README.md "Small-seq shape sweep"; lanes
+time over mma time, geometric mean over batch sizes and layouts):
+  - groups of 1-2 heads: lanes 0.3-0.9x mma up to 8 keys (the fewer keys and the smaller D, the
+    larger its lead); from 12 keys mma ties or wins (up to 1.36x at D 256) -> lanes up to 8 keys,
+    mma above (forward and backward);
+  - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
+    otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128;
+  - larger groups: mma (cuda_core for backward groups over 16).
+`prefer_xla`: with one key and a group of 1-2 heads the attention is a copy of V, and XLA's fused
+forward+backward (one pass over Q, K, V, dO) beat the two kernel passes by 5-30% at every
+measured size: implementation=None takes the pure-JAX path there.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..kernel_options import SmallSeqKernelOptions
+
+LANES_MAX_GROUP = 2  # the lane-group backward's register arrays hold 1 or 2 heads' P and dS
+LANES_MAX_LEN = 8  # above this many keys mma ties or wins
+LANES_GQA_MAX_GROUP, LANES_GQA_MAX_LEN, LANES_GQA_MAX_DIM = 4, 4, 128  # lanes forward for GQA
+MMA_BWD_MAX_GROUP = 16  # the tensor-core backward keeps the dS of at most 16 heads in registers
+
+
+def lanes_fit(head_dim: int, max_len: int) -> bool:
+  """Whether the lane-group kernels hold a task's K/V in registers (launch.cu lanes_fwd_fits)."""
+  return head_dim <= 256 or max_len <= 8
+
+
+def available(direction: str, family: str, group: int, head_dim: int, max_len: int) -> bool:
+  """Whether `family` can run the forward ("fwd") or backward ("bwd") of this shape."""
+  if family == "lanes":
+    return lanes_fit(head_dim, max_len) and (direction == "fwd" or group <= LANES_MAX_GROUP)
+  if family == "mma":
+    return direction == "fwd" or group <= MMA_BWD_MAX_GROUP
+  return family == "cuda_core"
+
+
+def default_fwd(group: int, head_dim: int, max_len: int) -> str:
+  if group <= LANES_MAX_GROUP and max_len <= LANES_MAX_LEN and lanes_fit(head_dim, max_len):
+    return "lanes"
+  if group <= LANES_GQA_MAX_GROUP and max_len <= LANES_GQA_MAX_LEN and head_dim <= LANES_GQA_MAX_DIM:
+    return "lanes"
+  return "mma"
+
+
+def default_bwd(group: int, head_dim: int, max_len: int) -> str:
+  if max_len <= LANES_MAX_LEN and available("bwd", "lanes", group, head_dim, max_len):
+    return "lanes"
+  return "mma" if group <= MMA_BWD_MAX_GROUP else "cuda_core"
+
+
+def prefer_xla(group: int, max_len: int) -> bool:
+  """Whether implementation=None runs the pure-JAX path instead of the CUDA kernels."""
+  return max_len == 1 and group <= LANES_MAX_GROUP
+
+
+def resolve(options: SmallSeqKernelOptions, group: int, head_dim: int, max_len: int) -> SmallSeqKernelOptions:
+  """`options` with "auto" replaced by the rule's family for this shape."""
+  fwd = default_fwd(group, head_dim, max_len) if options.fwd == "auto" else options.fwd
+  bwd = default_bwd(group, head_dim, max_len) if options.bwd == "auto" else options.bwd
+  return dataclasses.replace(options, fwd=fwd, bwd=bwd)
