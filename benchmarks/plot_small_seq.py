@@ -217,7 +217,7 @@ def _table(header, rows) -> str:
   return "\n".join(lines) + "\n"
 
 
-def sweep_markdown(results, metas) -> str:
+def sweep_markdown(results, metas, note: str | None = None) -> str:
   m = metas[0] if metas else {}
   parts = sorted({x.get("part") for x in metas if x.get("part")})
   title = (f"## Small-seq attention shape sweep ({m.get('device', '?')}, jax {m.get('jax', '?')}, "
@@ -228,13 +228,15 @@ def sweep_markdown(results, metas) -> str:
       + (f"; parts {', '.join(parts)}" if parts else "") + ".\n"
       "Lengths uniform in [1, Skv] per row (padded: kv_lengths; ragged: kv_cu_seqlens). Bytes: "
       "jaxcp forward = Q, the K/V tokens rows attend to, O, float32 probabilities [B, Hq, max_len] "
-      "(max_len: Skv padded, 16 ragged); backward = Q, dO, attended K/V, probabilities, dQ, all "
+      "(max_len = Skv: the ragged calls pass max_kv_len=Skv); backward = Q, dO, attended K/V, probabilities, dQ, all "
       "of dK/dV; fwd+bwd = both. XLA = its padded layout (forward Q, all K/V, O; fwd+bwd adds Q, "
       "K, V, dO read and dQ, dK, dV written). GB/s over those bytes; % copy = the jaxcp GB/s "
       "over the best of three device copies moving the same bytes, timed next to the point "
       "(= copy time / jaxcp time). 'bwd kernel' = the backward primitive alone ('auto'). "
       "Fastest fwd / bwd: among the named families timed (auto when it ran alone); auto / "
       "fastest = auto's time over the fastest family's.\n\n")
+  if note:
+    about += f"**Note.** {note}\n\n"
   return (title + about + "### Summary\n\n" + summary(results) + "\n### All points\n\n" +
           full_table(results) + "\n### Fastest kernel family per (G = Hq/Hkv, D, Skv)\n\n"
           "Over the group's points (heads with that G, both layouts, every B): wins of each "
@@ -296,6 +298,7 @@ def main(argv=None):
   parser.add_argument("files", nargs="+", help="sweep JSON files (the parts of one run)")
   parser.add_argument("--out", default=None, help="output folder (default: the first file's)")
   parser.add_argument("--name", default=None, help="output file stem (default: see above)")
+  parser.add_argument("--note", default=None, help="a paragraph for the markdown, under the title")
   args = parser.parse_args(argv)
   files = [f for f in args.files if f.endswith(".json")]
   metas, results = load(files)
@@ -310,7 +313,7 @@ def main(argv=None):
     json.dump(dict(meta=dict(merged_from=[os.path.basename(x) for x in files], parts=metas),
                    results=results), f, indent=1)
   with open(base + ".md", "w") as f:
-    f.write(sweep_markdown(results, metas))
+    f.write(sweep_markdown(results, metas, args.note))
   m = metas[0] if metas else {}
   plot(results, base + ".png", f"small-seq attention vs XLA ({m.get('device', '?')}, "
        f"{m.get('dtype', '?')}): colour = head dim, marker = layout")

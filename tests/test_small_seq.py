@@ -585,7 +585,8 @@ def test_cpu_default_always_runs_the_kernel():
                                              (4, 8, 8, "fwd = 3"), (16, 8, 8, "fwd = 1"),
                                              (4, 16, 4, "bwd = 1")])
 def test_gpu_default_dispatch_in_hlo(skv, hq, hkv, want):
-  """implementation=None: one key with groups of 1-2 heads runs the pure-JAX path (no custom call);
+  """implementation=None: padded rows of one key with groups of 1-2 heads run the pure-JAX path
+  (no custom call; ragged rows keep the kernels: test_gpu_default_ragged_one_key_runs_kernels);
   elsewhere the kernel families of dispatch.py, named in the custom call's "kernel" attribute
   (1 = mma, 3 = lanes); implementation="cuda" always runs the kernels."""
   q = jnp.zeros((64, hq, 64), jnp.bfloat16)
@@ -598,3 +599,12 @@ def test_gpu_default_dispatch_in_hlo(skv, hq, hkv, want):
     assert len(_small_seq_custom_calls(grad("cuda"), q, k)) == 2
   else:
     assert len(calls) == 2 and any(want in c for c in calls), calls
+
+
+@pytest.mark.gpu
+def test_gpu_default_ragged_one_key_runs_kernels():
+  """The pure-JAX path's gather has a scatter-add backward: ragged rows of one key stay on the kernels."""
+  q, k = jnp.zeros((64, 8, 64), jnp.bfloat16), jnp.zeros((64, 8, 64), jnp.bfloat16)
+  cu = jnp.arange(65, dtype=jnp.int32)
+  grad = jax.grad(lambda q: small_seq_attention(q, k, k, kv_cu_seqlens=cu, max_kv_len=1).astype(jnp.float32).sum())
+  assert len(_small_seq_custom_calls(grad, q)) == 2

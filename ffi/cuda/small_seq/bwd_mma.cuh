@@ -1,4 +1,5 @@
-// Small-seq backward on tensor cores (mma.sync), the default for GQA groups of up to 16 heads.
+// Small-seq backward on tensor cores (mma.sync), for GQA groups of up to 16 heads (the default
+// above 8 keys or 2 heads a group: small_seq/dispatch.py).
 #pragma once
 #include "device.cuh"
 

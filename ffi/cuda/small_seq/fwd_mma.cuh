@@ -1,4 +1,5 @@
-// Small-seq forward on tensor cores (mma.sync), the default.
+// Small-seq forward on tensor cores (mma.sync), the default for more keys or larger groups than
+// the lane-group forward takes (small_seq/dispatch.py).
 #pragma once
 #include "device.cuh"
 

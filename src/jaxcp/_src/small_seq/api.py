@@ -64,7 +64,7 @@ def _run(query, key, value, index, config, impl, auto=False):
   """The call on `impl`; auto (implementation=None) also takes the pure-JAX path where it is the
   faster one on a GPU (dispatch.prefer_xla)."""
   group = query.shape[1] // key.shape[-2]
-  if impl == "xla" or (auto and impl == "cuda" and dispatch.prefer_xla(group, config.max_len)):
+  if impl == "xla" or (auto and impl == "cuda" and dispatch.prefer_xla(group, config.max_len, config.ragged)):
     return small_seq_reference(query, key, value, index, config)[0]
   registry.ensure_registered()
   return _kernel_call(query, key, value, tuple(index), config)
@@ -111,8 +111,8 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
       registers by it: pass the real bound when rows are short.
     scale: softmax scale, default D ** -0.5.
     implementation: None (the fastest for the device and shape: the CUDA kernels on a GPU, but
-      the pure-JAX path for one key and groups of 1-2 heads, where XLA's fused program wins;
-      see small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512; bf16/f16),
+      the pure-JAX path for padded rows of one key and groups of 1-2 heads, where XLA's fused
+      program wins; see small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512; bf16/f16),
       "cpu" or "xla" (pure-JAX reference).
 
   Returns:

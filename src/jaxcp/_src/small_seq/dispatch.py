@@ -17,9 +17,11 @@ time over mma time, geometric mean over batch sizes and layouts):
   - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
     otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128;
   - larger groups: mma (cuda_core for backward groups over 16).
-`prefer_xla`: with one key and a group of 1-2 heads the attention is a copy of V, and XLA's fused
-forward+backward (one pass over Q, K, V, dO) beat the two kernel passes by 5-30% at every
-measured size: implementation=None takes the pure-JAX path there.
+`prefer_xla`: with one key per row (padded layout) and a group of 1-2 heads the attention is a
+copy of V, and XLA's fused forward+backward (one pass over Q, K, V, dO) beat the two kernel
+passes by 5-30% at every measured size: implementation=None takes the pure-JAX path there (and
+measured 0.97-1.03x XLA). Not for the ragged layout: the pure-JAX path gathers the rows' tokens,
+and the gather's backward (a scatter-add) ran at 0.23-0.26x XLA.
 """
 from __future__ import annotations
 
@@ -61,9 +63,9 @@ def default_bwd(group: int, head_dim: int, max_len: int) -> str:
   return "mma" if group <= MMA_BWD_MAX_GROUP else "cuda_core"
 
 
-def prefer_xla(group: int, max_len: int) -> bool:
+def prefer_xla(group: int, max_len: int, ragged: bool) -> bool:
   """Whether implementation=None runs the pure-JAX path instead of the CUDA kernels."""
-  return max_len == 1 and group <= LANES_MAX_GROUP
+  return max_len == 1 and group <= LANES_MAX_GROUP and not ragged
 
 
 def resolve(options: SmallSeqKernelOptions, group: int, head_dim: int, max_len: int) -> SmallSeqKernelOptions:
