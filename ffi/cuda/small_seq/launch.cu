@@ -1,7 +1,8 @@
 // Launchers of the CUDA small-sequence kernels (launchers.h): which kernel runs, its block shape
-// and shared memory. Memory bound, one pass over Q, K, V: every kernel gives one warp one task, a
-// (row b, key/value head g) pair, and stages its K/V tokens and the G = Hq/Hkv query rows of the
-// group into the warp's slice of shared memory (device.cuh).
+// and shared memory. Memory bound, one pass over Q, K, V. A task is a (row b, key/value head g)
+// pair with the G = Hq/Hkv query rows of its group: the mma and cuda_core kernels give one warp
+// one task and stage its rows into the warp's slice of shared memory (device.cuh); the lane-group
+// kernels give it D/8 lanes (at most 32) that load its rows into registers (lanes.cuh).
 //
 // Kernel families (SmallSeqKernel, named by SmallSeqArgs::kernel; the Python layer picks them,
 // src/jaxcp/_src/small_seq/dispatch.py):

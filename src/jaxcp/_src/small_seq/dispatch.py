@@ -9,8 +9,8 @@ Families (ffi/cuda/small_seq/launch.cu):
               and dS: groups of 1 or 2 query heads.
   mma       : one warp per (row, key/value head), math on tensor cores; backward groups <= 16.
   cuda_core : one warp per (row, key/value head), float32 math; any group.
-Rule (measured on 4 x H200, 2026-11-27, benchmarks/README.md "Small-seq shape sweep"; lanes
-time over mma time, geometric mean over batch sizes and layouts):
+Rule (measured on 4 x H200, 2026-11-27: benchmarks/README.md, small-sequence attention, "Shape
+sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
   - groups of 1-2 heads: lanes 0.3-0.9x mma up to 8 keys (the fewer keys and the smaller D, the
     larger its lead); from 12 keys mma ties or wins (up to 1.36x at D 256) -> lanes up to 8 keys,
     mma above (forward and backward);
@@ -19,8 +19,8 @@ time over mma time, geometric mean over batch sizes and layouts):
   - larger groups: mma (cuda_core for backward groups over 16).
 `prefer_xla`: with one key per row (padded layout) and a group of 1-2 heads the attention is a
 copy of V, and XLA's fused forward+backward (one pass over Q, K, V, dO) beat the two kernel
-passes by 5-30% at every measured size: implementation=None takes the pure-JAX path there (and
-measured 0.97-1.03x XLA). Not for the ragged layout: the pure-JAX path gathers the rows' tokens,
+passes by 10-35% in the family sweep: implementation=None takes the pure-JAX path there
+(0.95-1.03x XLA in the final sweep: the same computation). Not for the ragged layout: the pure-JAX path gathers the rows' tokens,
 and the gather's backward (a scatter-add) ran at 0.23-0.26x XLA.
 """
 from __future__ import annotations
