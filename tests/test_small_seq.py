@@ -196,6 +196,40 @@ def test_saved_probabilities():
   np.testing.assert_array_equal(probs[2, :, 2:], 0)
 
 
+_SWEEP_HEADS = [(1, 1), (4, 4), (8, 8), (32, 32), (4, 1), (8, 2), (32, 8)]  # bench_small_seq.py --sweep
+
+
+@needs_cpu_kernel
+@hypothesis.settings(max_examples=12, deadline=None, derandomize=True)
+@hypothesis.given(skv=st.integers(1, 16), heads=st.sampled_from(_SWEEP_HEADS), d=st.sampled_from([8, 16, 64]),
+                  ragged=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_sweep_shapes_forward_and_gradients(skv, heads, d, ragged, seed):
+  """The shape space of the sweep (1-16 keys, 1-32 heads, MHA and GQA groups of 4, padded rows
+  with lengths in [0, Skv] and ragged rows with max_kv_len = Skv): the CPU kernels against the
+  float64 reference (forward) and against the pure-JAX reference (gradients)."""
+  rng = np.random.default_rng(seed)
+  hq, hkv = heads
+  b = 5
+  lengths = rng.integers(0, skv + 1, b).astype(np.int32)
+  q, dout = _rand(rng, (b, hq, d), jnp.float32), _rand(rng, (b, hq, d), jnp.float32)
+  if ragged:
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    t = max(int(cu[-1]), 1)
+    k, v = _rand(rng, (t, hkv, d), jnp.float32), _rand(rng, (t, hkv, d), jnp.float32)
+    rows, kwargs = _ragged_rows(cu, t, skv), dict(kv_cu_seqlens=cu, max_kv_len=skv)
+    k_flat, v_flat = k, v
+  else:
+    q, k, v = _padded(rng, b, skv, hq, hkv, d, jnp.float32)
+    rows, kwargs = _padded_rows(lengths, skv), dict(kv_lengths=jnp.asarray(lengths))
+    k_flat, v_flat = k.reshape(b * skv, hkv, d), v.reshape(b * skv, hkv, d)
+  f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, implementation=impl, **kwargs)
+  out, got = _vjp(f("cpu"), (q, k, v), dout)
+  _assert_close(out, _numpy_reference(q, k_flat, v_flat, rows, d ** -0.5), TOL[jnp.float32], "out")
+  _, want = _vjp(f("xla"), (q, k, v), dout)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    _assert_close(g, w, GRAD_TOL[jnp.float32], name)
+
+
 # ---------------------------------------------------------------- gradients
 
 
