@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import traceback
 
@@ -467,13 +468,24 @@ def main(argv=None):
   ap.add_argument("--out", default=None, help="output folder (default $OUT or benchmarks/results)")
   ap.add_argument("--static-tokens-per-doc", type=int, default=STATIC_TOKENS_PER_DOC,
                   help="the cudnn_static peer's capacity M = S / this")
+  ap.add_argument("--part", default=None, help="i/n: only the cases k with k %% n == i (one process per GPU; "
+                  "writes <name>_part<i>), merged afterwards with --merge")
+  ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                  help="merge the part files of one run into <name>.{json,md,png} (no measuring)")
   args = ap.parse_args(argv)
   quick = args.quick or jax.default_backend() == "cpu"
   dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
   cases = QUICK_CASES if quick else EXTRA_CASES if args.extra else GPU_CASES
   name = common.result_name("attention_extra" if args.extra else "attention")
+  if args.merge:
+    return merge_parts(args.merge, cases, name, args.out)
   if args.only:
     cases = [c for c in cases if args.only in c.name]
+  if args.part:
+    i, n = (int(x) for x in args.part.split("/"))
+    if not 0 <= i < n:
+      raise ValueError(f"--part {args.part}: want i/n with 0 <= i < n")
+    cases, name = cases[i::n], f"{name}_part{i}"
 
   meta = common.run_metadata()
   meta["static_tokens_per_doc"] = args.static_tokens_per_doc
@@ -490,6 +502,22 @@ def main(argv=None):
 
   md = markdown(meta, results)
   out_dir = common.write_results(name, dict(meta=meta, results=results, summary=ratio_summary(results)), md, args.out)
+  _plot(results, out_dir, name)
+  print(md)
+
+
+def merge_parts(paths, cases, name, out=None):
+  """One result set from the part files of a run (each measured in its own process, with its own
+  matmul and copy ceilings, kept per part in meta["parts"]), cases in the case list's order."""
+  payloads = []
+  for path in paths:
+    with open(path) as f:
+      payloads.append(json.load(f))
+  order = {c.name: k for k, c in enumerate(cases)}
+  results = sorted((r for p in payloads for r in p["results"]), key=lambda r: order.get(r["case"]["name"], len(order)))
+  meta = dict(payloads[0]["meta"], parts=[p["meta"] for p in payloads])
+  md = markdown(meta, results)
+  out_dir = common.write_results(name, dict(meta=meta, results=results, summary=ratio_summary(results)), md, out)
   _plot(results, out_dir, name)
   print(md)
 

@@ -9,18 +9,26 @@ import numpy as np
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
-def _run_quick(script, out_dir):
-  """Runs benchmarks/<script>.py's main with --quick, writing to out_dir."""
+def _run_quick(script, out_dir, *args):
+  """Runs benchmarks/<script>.py's main with --quick (and args), writing to out_dir; returns the module."""
   sys.path.insert(0, BENCH)
   try:
-    importlib.import_module(script).main(["--quick", "--out", str(out_dir)])
+    module = importlib.import_module(script)
+    module.main(["--quick", "--out", str(out_dir), *args])
+    return module
   finally:
     sys.path.remove(BENCH)
 
 
 def test_bench_attention_quick(tmp_path):
-  _run_quick("bench_attention", tmp_path)
+  """In two parts (as over two GPUs), then merged: every case once, in the case list's order."""
+  for i in range(2):
+    _run_quick("bench_attention", tmp_path, "--part", f"{i}/2")
+  parts = [str(tmp_path / f"attention_cpu_part{i}.json") for i in range(2)]
+  module = _run_quick("bench_attention", tmp_path, "--merge", *parts)
   data = json.loads((tmp_path / "attention_cpu.json").read_text())
+  assert [r["case"]["name"] for r in data["results"]] == [c.name for c in module.QUICK_CASES]
+  assert len(data["meta"]["parts"]) == 2
   assert all("jaxcp" in r and "fwd_ms" in r["jaxcp"] for r in data["results"])
   # the XLA peer is checked against jaxcp's output and gradients (float32 on the CPU)
   errs = [(r["xla"]["rel_err_vs_jaxcp"], r["xla"]["grad_rel_err_vs_jaxcp"]) for r in data["results"]]
