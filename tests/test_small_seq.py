@@ -82,6 +82,22 @@ def _vjp(fn, args, dout):
   return out, pull(dout)
 
 
+def _ragged_inputs(rng, b, t, hq, hkv, d):
+  """float32 q, k, v, dout: q/dout [b, hq, d], k/v [t, hkv, d] (drawn in that order)."""
+  q = _rand(rng, (b, hq, d), jnp.float32)
+  k, v = _rand(rng, (t, hkv, d), jnp.float32), _rand(rng, (t, hkv, d), jnp.float32)
+  return q, k, v, _rand(rng, (b, hq, d), jnp.float32)
+
+
+def _cpu_grads_close_to_reference(f, args, dout):
+  """(dq, dk, dv) of f("cpu"), checked against f("xla")'s (float32 tolerance)."""
+  _, got = jax.jit(lambda *a: _vjp(f("cpu"), a, dout))(*args)
+  _, want = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(*args)
+  for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    _assert_close(g, w, GRAD_TOL[jnp.float32], name)
+  return got
+
+
 # ---------------------------------------------------------------- forward vs numpy reference
 
 
@@ -159,21 +175,15 @@ def test_ragged_forward(dtype):
 @needs_cpu_kernel
 def test_ragged_max_kv_len():
   """Rows attend to their first max_kv_len tokens; the saved probabilities have that many columns."""
-  rng = np.random.default_rng(12)
   t, hq, hkv, d = 40, 4, 2, 16
-  q = _rand(rng, (6, hq, d), jnp.float32)
-  k, v = _rand(rng, (t, hkv, d), jnp.float32), _rand(rng, (t, hkv, d), jnp.float32)
-  dout = _rand(rng, (6, hq, d), jnp.float32)
+  q, k, v, dout = _ragged_inputs(np.random.default_rng(12), 6, t, hq, hkv, d)
   cu = np.array([0, 3, 4, 4, 10, 12, 40], np.int32)
   ref = _numpy_reference(q, k, v, _ragged_rows(cu, t, 4), d ** -0.5)
   f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu, max_kv_len=4,
                                                        implementation=impl)
   for impl in ("cpu", "xla"):
     _assert_close(jax.jit(f(impl))(q, k, v), ref, TOL[jnp.float32], impl)
-  _, got = jax.jit(lambda *a: _vjp(f("cpu"), a, dout))(q, k, v)
-  _, want = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
-  for name, g, w in zip(("dq", "dk", "dv"), got, want):
-    _assert_close(g, w, GRAD_TOL[jnp.float32], name)
+  got = _cpu_grads_close_to_reference(f, (q, k, v), dout)
   np.testing.assert_array_equal(np.asarray(got[1])[16:], 0)  # past the last row's 4 tokens
   probs_shape = jax.eval_shape(lambda *a: jax.vjp(f("cpu"), *a)[1], q, k, v)
   assert any(x.shape == (6, hq, 4) for x in jax.tree_util.tree_leaves(probs_shape))
@@ -259,18 +269,12 @@ def test_padded_gradients(dtype, hq, hkv):
 
 @needs_cpu_kernel
 def test_ragged_gradients():
-  rng = np.random.default_rng(5)
   t, hq, hkv, d = 50, 4, 2, 16
-  q = _rand(rng, (6, hq, d), jnp.float32)
-  k, v = _rand(rng, (t, hkv, d), jnp.float32), _rand(rng, (t, hkv, d), jnp.float32)
-  dout = _rand(rng, (6, hq, d), jnp.float32)
+  q, k, v, dout = _ragged_inputs(np.random.default_rng(5), 6, t, hq, hkv, d)
   cu = jnp.array([3, 8, 8, 30, 33, 34, 45], jnp.int32)  # row 2 has 22 tokens: first 16 used
   f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu,
                                                        implementation=impl)
-  _, got = jax.jit(lambda *a: _vjp(f("cpu"), a, dout))(q, k, v)
-  _, want = jax.jit(lambda *a: _vjp(f("xla"), a, dout))(q, k, v)
-  for name, g, w in zip(("dq", "dk", "dv"), got, want):
-    _assert_close(g, w, GRAD_TOL[jnp.float32], name)
+  got = _cpu_grads_close_to_reference(f, (q, k, v), dout)
   dk = np.asarray(got[1])
   covered = np.zeros(t, bool)
   for row in _ragged_rows(np.asarray(cu), t):
