@@ -21,8 +21,6 @@ __global__ void __launch_bounds__(kLanesBlockThreads) small_seq_bwd_lanes_kernel
   const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * GH;
   const int64_t next = lt.has ? next_start(p, t) : 0;
   const int64_t lane_row = row0 * D + lt.lane * 8;
-  const T* k = static_cast<const T*>(p.k);
-  const T* v = static_cast<const T*>(p.v);
 
   uint4 qr[GH][C], dor[GH][C], kr[NT][C], vr[NT][C];
   bool ok[NT];
@@ -32,15 +30,11 @@ __global__ void __launch_bounds__(kLanesBlockThreads) small_seq_bwd_lanes_kernel
     load_row<T, D>(static_cast<const T*>(p.q) + lane_row + h * D, lt.has, qr[h]);
     load_row<T, D>(static_cast<const T*>(p.dout) + lane_row + h * D, lt.has, dor[h]);
   }
+  load_kv<T, D, NT>(p, lt, ok, kr, vr);
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    ok[j] = lt.attends(j);
-    const int64_t off = ok[j] ? lt.kv_offset(p, j) : 0;
-    load_row<T, D>(k + off, ok[j], kr[j]);
-    load_row<T, D>(v + off, ok[j], vr[j]);
+  for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int h = 0; h < GH; ++h) pr[h][j] = ok[j] ? __ldg(p.probs + (row0 + h) * ML + j) : 0.f;
-  }
 
   // dP (in ds), reduced over the group, then dS in place.
 #pragma unroll

@@ -16,19 +16,11 @@ __global__ void __launch_bounds__(kLanesBlockThreads) small_seq_fwd_lanes_kernel
   const int G = p.group, ML = p.max_len;
   const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
   const T* q = static_cast<const T*>(p.q) + row0 * D + lt.lane * 8;
-  const T* k = static_cast<const T*>(p.k);
-  const T* v = static_cast<const T*>(p.v);
 
   uint4 qr[C], kr[NT][C], vr[NT][C];
   bool ok[NT];
   load_row<T, D>(q, lt.has, qr);
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    ok[j] = lt.attends(j);
-    const int64_t off = ok[j] ? lt.kv_offset(p, j) : 0;
-    load_row<T, D>(k + off, ok[j], kr[j]);
-    load_row<T, D>(v + off, ok[j], vr[j]);
-  }
+  load_kv<T, D, NT>(p, lt, ok, kr, vr);
   const float scale_log2 = p.scale * 1.4426950408889634f;
 
   for (int h = 0; h < G; ++h) {
