@@ -52,10 +52,17 @@ __forceinline__ __device__ int64_t dq_tile_offset(const BwdParams& p, int b, int
   return ((static_cast<int64_t>(b) * p.Hq + h) * p.nq + m) * tile_elems;
 }
 
+// Q, dO and the dQ accumulator are read (added to) again by every key tile of their documents:
+// they are kept in L2 ahead of the K/V tiles, which each block reads once.
+__forceinline__ __host__ __device__ constexpr cute::TMA::CacheHintSm90 reused_in_l2() {
+  return cute::TMA::CacheHintSm90::EVICT_LAST;
+}
+
 __forceinline__ __device__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
 #if JAXCP_SM90_DEVICE
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
-               "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes)
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;\n"
+               ::"l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes),
+               "l"(static_cast<uint64_t>(reused_in_l2()))
                : "memory");
 #endif
 }
@@ -274,7 +281,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       more = next_step(h_next, i_next, c_next);
       pipe_q.producer_acquire(write_q);
       uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
-      copy(P.tma_q.with(*bar_q, 0), tQg, tQs);
+      copy(P.tma_q.with(*bar_q, 0, reused_in_l2()), tQg, tQs);
       SM90_BULK_COPY_G2S::copy(p.lse2 + rows, bar_q, ss.lse2.data() + st * BM, KT::kRowBytes);
       SM90_BULK_COPY_G2S::copy(p.q_ids + w.b * p.sq_pad + static_cast<int64_t>(i) * BM, bar_q,
                                ss.q_ids.data() + st * BM, KT::kIdBytes);
@@ -284,7 +291,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       compiler_memory_fence();  // before producer_acquire's arrive on the dO barrier
       pipe_do.producer_acquire(write_do);
       uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
-      copy(P.tma_do.with(*bar_do, 0), tdOg, tdOs);
+      copy(P.tma_do.with(*bar_do, 0, reused_in_l2()), tdOg, tdOs);
       SM90_BULK_COPY_G2S::copy(p.delta + rows, bar_do, ss.delta.data() + st_do * BM, KT::kRowBytes);
       ++write_q;
       if constexpr (KT::kStagesQ != KT::kStagesDO) ++write_do;
