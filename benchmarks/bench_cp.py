@@ -14,7 +14,8 @@ Reported per case:
   exposed comm   (TN - Tcompute) / TN, Tcompute the slowest rank's kernels timed alone on one
                  GPU (its queries against the keys it attends to, all local);
   MB/rank        bytes a rank receives per forward+backward (K and V in bf16, segment ids and
-                 positions, float32 dK/dV in the backward's reduce-scatter or ring);
+                 positions, dK/dV summed over the ranks: bf16 in the all-to-all of all_gather and
+                 the placement, float32 in the ring);
   R              the placement's shared tokens per rank (of S / N);
   max rel err    against the one-GPU outputs and gradients;
   overlap        the compiled schedule has a jaxcp kernel inside an all-gather-start/done
@@ -68,9 +69,24 @@ def _local_fwd_bwd(q, k, v, do, qs, qp, ks, kp):
 _local = jax.jit(_local_fwd_bwd)
 
 
+def _kernel_computations(lines) -> set:
+  """Computations that call a jaxcp kernel (XLA wraps a kernel whose operands are slices in a
+  fusion that passes it addresses into the whole arrays)."""
+  holders, current = set(), None
+  for line in lines:
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+    elif "custom-call" in line and "jaxcp_attention" in line:
+      holders.add(current)
+  return holders
+
+
 def overlap_evidence(hlo: str, op: str) -> bool:
-  """True if some `op`-start .. `op`-done window of the compiled schedule holds a jaxcp kernel."""
+  """True if some `op`-start .. `op`-done window of the compiled schedule runs a jaxcp kernel."""
   lines = hlo.splitlines()
+  holders = _kernel_computations(lines)
+  runs_kernel = lambda w: (("custom-call" in w and "jaxcp_attention" in w)
+                           or any(f"calls=%{h}" in w or f"calls={h}" in w for h in holders))
   starts = {}
   for i, line in enumerate(lines):
     m = re.search(rf"(%?[\w.\-]+) = .*{op}-start", line)
@@ -78,8 +94,7 @@ def overlap_evidence(hlo: str, op: str) -> bool:
       starts[m.group(1).lstrip("%")] = i
     m = re.search(rf"{op}-done\((%?[\w.\-]+)", line)
     if m and m.group(1).lstrip("%") in starts:
-      window = lines[starts[m.group(1).lstrip("%")]:i]
-      if any("custom-call" in w and "jaxcp_attention" in w for w in window):
+      if any(runs_kernel(w) for w in lines[starts[m.group(1).lstrip("%")]:i]):
         return True
   return False
 
@@ -87,11 +102,11 @@ def overlap_evidence(hlo: str, op: str) -> bool:
 def bytes_per_rank(strategy, n, s, hkv, shared=0):
   """Bytes one rank receives per forward+backward (see the module doc)."""
   kv_token = 2 * hkv * D * 2 + 8          # K and V in bf16, segment id and position
-  grad_token = 2 * hkv * D * 4            # dK and dV in float32
+  grad_token = 2 * hkv * D * 2            # dK and dV in bf16 (all-to-all, summed in float32 on arrival)
   if strategy == "placement":
     return (n - 1) * shared * (2 * kv_token + grad_token)
   if strategy == "ring":
-    return (n - 1) * (s // n) * 2 * kv_token + n * (s // n) * grad_token
+    return (n - 1) * (s // n) * 2 * kv_token + n * (s // n) * 2 * grad_token   # float32 accumulators
   return (n - 1) * (s // n) * (2 * kv_token + grad_token)
 
 
@@ -129,7 +144,7 @@ def rel_err(a, b):
 
 
 def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gpus, others=("all_gather", "ring"),
-             seed=0):
+             seed=0, hlo_dir=None):
   hq, hkv = heads
   rng = np.random.default_rng(seed)
   seg = doc_mixes.packed_row(rng, seq_len, mix)[None]
@@ -170,6 +185,10 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
       args = [jax.device_put(x, sh) for x in host]
       f = jax.jit(_fwd_bwd(context_parallel))
       hlo = f.lower(*args).compile().as_text()
+      if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
+        with open(os.path.join(hlo_dir, f"{seq_len // 1024}k_{mix}_{hq}-{hkv}_{n}gpus_{strategy}.hlo.txt"), "w") as fh:
+          fh.write(hlo)
       t = common.time_fn(f, *args, warmup=1, reps=reps)
       got = f(*args)
       err = max(rel_err(jaxcp.restore_order(a, n, axis=1, strategy=perm), b) for a, b in zip(got, ref))
@@ -221,6 +240,7 @@ def main(argv=None):
                   help="placement balance tolerances to run (each a strategy of its own)")
   ap.add_argument("--calibration", default=None,
                   help="placement_calibration.json from calibrate_placement.py (default: the built-in costs)")
+  ap.add_argument("--hlo-dir", default=None, help="write each sharded program's compiled HLO (its schedule) here")
   ap.add_argument("--append", action="store_true", help="add to the rows of an earlier run in --out")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
@@ -243,7 +263,8 @@ def main(argv=None):
              for c in args.cases]
   exposed = args.gpus if args.exposed_gpus is None else args.exposed_gpus
   for s, mix, h in cases:
-    rows += run_case(s, mix, h, args.gpus, args.reps, cost, args.tolerances, exposed, args.others)
+    rows += run_case(s, mix, h, args.gpus, args.reps, cost, args.tolerances, exposed, args.others,
+                     hlo_dir=args.hlo_dir)
   meta = common.run_metadata()
   md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; B=1, D=128, causal, forward+backward, bf16; "
         f"placement cost {cost or 'built-in'}.\n\n" + table(rows))

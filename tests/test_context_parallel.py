@@ -97,7 +97,8 @@ def test_jit_context_parallel_matches_unsharded(cpu_devices, strategy, mesh_shap
               for shape in re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
   if strategy == "all_gather":
     assert gathered, "the all-gather pattern no longer matches the HLO text"
-  assert all(len(dims) != 4 or dims[2] == HKV // mesh_shape[1] for dims in gathered)
+  # K, V, segment ids and positions packed into one [B, S, 2 * local Hkv * D + 2] array.
+  assert all(dims == [B // mesh_shape[0], S, 2 * (HKV // mesh_shape[1]) * D + 2] for dims in gathered)
   out, grads = f(*args)
   _check(out, grads, *_reference(q, k, v, dout, seg, pos, mask))
 

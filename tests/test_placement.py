@@ -198,14 +198,20 @@ def test_jit_placement_matches_unsharded(cpu_devices, mesh_shape, mask_name):
   text = f.lower(*args).compile().as_text()
   r = placement.shared_tokens
   # Only the shared region is gathered (the gathered sequence is cp * R, never all of S) and only
-  # K, V and the key tokens' arrays: Q ([*, *, local Hq, D]) never.
+  # K, V and the key tokens' arrays, packed into one [B, cp * R, 2 * local Hkv * D + 2] array per
+  # direction: Q never.
   gathered = [[int(x) for x in shape.split(",")]
               for shape in re.findall(r"= [fs]32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
   assert ("all-gather" in text) == (r > 0) and "collective-permute" not in text
-  assert all(dims[1] == cp * r for dims in gathered)
-  assert all(len(dims) != 4 or dims[2] == HKV // tp for dims in gathered)
-  scattered = re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} reduce-scatter\(", text)
-  assert all(int(shape.split(",")[1]) == r for shape in scattered)
+  assert len(gathered) == (2 if r else 0)
+  assert all(dims == [B // dp, cp * r, 2 * (HKV // tp) * D + 2] for dims in gathered)
+  # The backward sums only the shared keys' dK/dV: blocks of R tokens ([B, 1 or cp, R, Hkv, D])
+  # sent to their rank by an all-to-all, never a reduce-scatter of the whole shard.
+  assert "reduce-scatter" not in text
+  exchanged = [[int(x) for x in shape.split(",")] for line in text.splitlines() if "all-to-all(" in line
+               for shape in re.findall(r"f32\[([\d,]+)\]", line.split("all-to-all(")[0])]
+  assert (len(exchanged) > 0) == (r > 0)
+  assert all(dims[2] == r for dims in exchanged)
   _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS[mask_name], implementation="xla"))(*arrays))
 
 
@@ -233,8 +239,17 @@ def test_shard_map_placement(cpu_devices, shared):
   s4, s2 = P("dp", "cp", "tp", None), P("dp", "cp")
   body = _fwd_bwd(placement, MASKS["causal"], axis="cp")
   f = jax.jit(shard_map(body, mesh=mesh, in_specs=(s4, s4, s4, s4, s2, s2), out_specs=(s4, s4, s4, s4)))
-  text = f.lower(*arrays).compile().as_text()
+  lowered = f.lower(*arrays)
+  text = lowered.compile().as_text()
   assert ("all-gather" in text) == (shared > 0)
+  # K, V, segment ids and positions travel packed (one all-gather per direction, one all-to-all
+  # for dK/dV), and where there is a local part two optimization barriers per direction hold it
+  # between the gather's start and done.
+  count = lambda op: len(re.findall(rf"stablehlo\.{op}\b", lowered.as_text()))
+  has_local, has_shared = shared < S // 4, shared > 0
+  assert count("all_gather") == (2 if has_shared else 0)
+  assert count("all_to_all") == (1 if has_shared else 0)
+  assert count("optimization_barrier") == (4 if has_local and has_shared else 0)
   _check(f(*arrays), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 
 

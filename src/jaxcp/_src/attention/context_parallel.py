@@ -74,17 +74,52 @@ def _merge(out, lse, out_i, lse_i):
 # ---------------------------------------------------------------- all-gather
 
 
+def _pack(xs):
+  """[B, n, ...] arrays as one [B, n, m] array of the first one's dtype (the others bitcast, e.g.
+  an int32 to two bfloat16), so that one collective moves them all (XLA's default GPU schedule
+  keeps one async collective in flight; the others block). Returns (arrays to move, the function that splits them (of any n)
+  back); arrays whose dtype cannot be bitcast so travel as they are."""
+  dtype = xs[0].dtype
+  size = jnp.dtype(dtype).itemsize
+  if any(jnp.dtype(x.dtype).itemsize % size for x in xs):
+    return tuple(xs), tuple
+  b, n = xs[0].shape[:2]
+  cols = [(x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)).reshape(b, n, -1) for x in xs]
+  widths = [c.shape[2] for c in cols]
+
+  def unpack(moved):
+    (packed,), out, lo = moved, [], 0
+    for x, w in zip(xs, widths):
+      y = packed[:, :, lo:lo + w]
+      lo += w
+      ratio = jnp.dtype(x.dtype).itemsize // size
+      y = y.reshape(*packed.shape[:2], *x.shape[2:], *((ratio,) if ratio > 1 else ()))
+      out.append(y if x.dtype == dtype else jax.lax.bitcast_convert_type(y, x.dtype))
+    return tuple(out)
+
+  return (jnp.concatenate(cols, axis=2),), unpack
+
+
+def _all_gather(axis, xs):
+  return tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in xs)
+
+
+def _gather(axis, xs):
+  """Every rank's blocks of `xs` (K, V and the key tokens' arrays) along the sequence, in rank order."""
+  moved, unpack = _pack(xs)
+  return unpack(_all_gather(axis, moved))
+
+
 def all_gather_fwd(local_fwd, axis, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
-  gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
-  return local_fwd(q, gather(k), gather(v), q_seg, q_pos, gather(kv_seg), gather(kv_pos))
+  kg, vg, seg_g, pos_g = _gather(axis, (k, v, kv_seg, kv_pos))
+  return local_fwd(q, kg, vg, q_seg, q_pos, seg_g, pos_g)
 
 
-def all_gather_bwd(local_bwd, axis, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
+def all_gather_bwd(local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
   # Gathered again rather than saved from the forward: memory stays O(local).
-  gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
-  dq, dk, dv = local_bwd(q, gather(k), gather(v), out, lse, dout, dlse, q_seg, q_pos,
-                         gather(kv_seg), gather(kv_pos))
-  return dq, _reduce_scatter(dk, axis, k.dtype), _reduce_scatter(dv, axis, v.dtype)
+  kg, vg, seg_g, pos_g = _gather(axis, (k, v, kv_seg, kv_pos))
+  dq, dk, dv = local_bwd(q, kg, vg, out, lse, dout, dlse, q_seg, q_pos, seg_g, pos_g)
+  return (dq, *_sum_scatter(axis, cp_size, (dk, dv)))
 
 
 # ---------------------------------------------------------------- ring
@@ -134,57 +169,99 @@ def _regions(placement: DocumentPlacement, shard_len: int):
   return shard_len - shared, shared
 
 
+def _gather_while(axis, xs, run_local, local_args):
+  """`_gather(axis, xs)` in flight while `run_local(*local_args)` runs; returns both results.
+
+  XLA starts an async collective right after its operands and waits for it right before its
+  first user. Optimization barriers pin both ends: the collective's operand passes one barrier
+  with the local kernel's arguments (whole arrays: run_local slices them, and a slice that feeds a
+  kernel directly is an address, not a copy), and its raw result a second one with the kernel's
+  outputs."""
+  moved, unpack = _pack(xs)
+  moved, local_args = jax.lax.optimization_barrier((moved, local_args))
+  gathered = _all_gather(axis, moved)
+  local = run_local(*local_args)
+  local, gathered = jax.lax.optimization_barrier((local, gathered))
+  return local, unpack(gathered)
+
+
+def _shared_kv(c, k, v, kv_seg, kv_pos):
+  """The shard's shared K/V region and its key tokens' arrays, to be gathered from every rank."""
+  return tuple(x[:, c:] for x in (k, v, kv_seg, kv_pos))
+
+
 def placed_fwd(placement, local_fwd, axis, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """Local queries against local keys (no communication); shared queries against the shared
-  keys of every rank, the only exchange. Two independent problems: no merge."""
+  keys of every rank, the only exchange, in flight while the local kernel runs. Two independent
+  problems: no merge."""
   c, r = _regions(placement, q.shape[1])
-  outs, lses = [], []
-  if r:  # the gather has no dependence on the local part: XLA overlaps the two
-    gather = lambda x: jax.lax.all_gather(x[:, c:], axis, axis=1, tiled=True)
-    shared_kv = (gather(k), gather(v), gather(kv_seg), gather(kv_pos))
+  args = (q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+  run_local = lambda *a: local_fwd(*(x[:, :c] for x in a))
+  if not r:
+    return run_local(*args)
+  shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
   if c:
-    out, lse = local_fwd(q[:, :c], k[:, :c], v[:, :c], q_seg[:, :c], q_pos[:, :c], kv_seg[:, :c], kv_pos[:, :c])
-    outs.append(out)
-    lses.append(lse)
-  if r:
-    kg, vg, seg_g, pos_g = shared_kv
-    out, lse = local_fwd(q[:, c:], kg, vg, q_seg[:, c:], q_pos[:, c:], seg_g, pos_g)
-    outs.append(out)
-    lses.append(lse)
-  return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+    local_out, (kg, vg, seg_g, pos_g) = _gather_while(axis, shared_kv, run_local, args)
+  else:
+    kg, vg, seg_g, pos_g = _gather(axis, shared_kv)
+  shared_out = local_fwd(q[:, c:], kg, vg, q_seg[:, c:], q_pos[:, c:], seg_g, pos_g)
+  if not c:
+    return shared_out
+  return (jnp.concatenate([local_out[0], shared_out[0]], axis=1),
+          jnp.concatenate([local_out[1], shared_out[1]], axis=2))
 
 
-def placed_bwd(placement, local_bwd, axis, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
-  """Gradients of placed_fwd: the shared keys gathered again (memory stays O(local)) and only
-  their dK/dV reduce-scattered."""
+def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
+  """Gradients of placed_fwd: the shared keys gathered again (memory stays O(local)) while the
+  local backward runs, and only their dK/dV summed over the ranks."""
   c, r = _regions(placement, q.shape[1])
-  dqs, dks, dvs = [], [], []
+  n = q.shape[1]
 
   def part(x, lo, hi, axis_=1):
     return jax.lax.slice_in_dim(x, lo, hi, axis=axis_)
 
+  def query_args(lo, hi, q, out, lse, dout, dlse, q_seg, q_pos):  # the per-query arguments of [lo, hi)
+    return (part(q, lo, hi), part(out, lo, hi), part(lse, lo, hi, 2), part(dout, lo, hi), part(dlse, lo, hi, 2),
+            part(q_seg, lo, hi), part(q_pos, lo, hi))
+
+  def run(queries, kg, vg, seg_g, pos_g):
+    qq, o, l, do, dl, qs, qp = queries
+    return local_bwd(qq, kg, vg, o, l, do, dl, qs, qp, seg_g, pos_g)
+
+  per_query = (q, out, lse, dout, dlse, q_seg, q_pos)
+
+  def run_local(*a):
+    return run(query_args(0, c, *a[:7]), *(part(x, 0, c) for x in a[7:]))
+
+  args = (*per_query, k, v, kv_seg, kv_pos)
+  if not r:
+    return run_local(*args)
+  shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
   if c:
-    dq, dk, dv = local_bwd(*(part(x, 0, c) for x in (q, k, v, out)), part(lse, 0, c, 2), part(dout, 0, c),
-                           part(dlse, 0, c, 2), *(part(x, 0, c) for x in (q_seg, q_pos, kv_seg, kv_pos)))
-    dqs.append(dq)
-    dks.append(dk)
-    dvs.append(dv)
-  if r:
-    n = q.shape[1]
-    gather = lambda x: jax.lax.all_gather(part(x, c, n), axis, axis=1, tiled=True)
-    dq, dkg, dvg = local_bwd(part(q, c, n), gather(k), gather(v), part(out, c, n), part(lse, c, n, 2),
-                             part(dout, c, n), part(dlse, c, n, 2), part(q_seg, c, n), part(q_pos, c, n),
-                             gather(kv_seg), gather(kv_pos))
-    dqs.append(dq)
-    dks.append(_reduce_scatter(dkg, axis, k.dtype))
-    dvs.append(_reduce_scatter(dvg, axis, v.dtype))
-  cat = lambda xs: jnp.concatenate(xs, axis=1)
-  return cat(dqs), cat(dks), cat(dvs)
+    local_grads, gathered = _gather_while(axis, shared_kv, run_local, args)
+  else:
+    gathered = _gather(axis, shared_kv)
+  dq, dkg, dvg = run(query_args(c, n, *per_query), *gathered)
+  shared_grads = (dq, *_sum_scatter(axis, cp_size, (dkg, dvg)))
+  if not c:
+    return shared_grads
+  return tuple(jnp.concatenate(pair, axis=1) for pair in zip(local_grads, shared_grads))
 
 
-def _reduce_scatter(x, axis, dtype):
-  """Sums the ranks' partial gradients of gathered keys and keeps this rank's slice (float32 sums)."""
-  return jax.lax.psum_scatter(x.astype(jnp.float32), axis, scatter_dimension=1, tiled=True).astype(dtype)
+def _sum_scatter(axis, cp_size, xs):
+  """Sums the ranks' partial gradients of gathered keys (each [B, cp * n, ...], block j from rank
+  j) and keeps this rank's blocks. The partials travel in their own dtype, packed into one
+  all-to-all (in bfloat16, half the bytes of a float32 reduce-scatter), and are summed here in
+  float32."""
+  moved, unpack = _pack(xs)
+
+  def own_blocks(x):
+    b, n, *rest = x.shape
+    blocks = x.reshape(b, cp_size, n // cp_size, *rest)
+    mine = jax.lax.all_to_all(blocks, axis, split_axis=1, concat_axis=1, tiled=True)  # block j: from rank j
+    return jnp.sum(mine.astype(jnp.float32), axis=1).astype(x.dtype)
+
+  return unpack(tuple(own_blocks(x) for x in moved))
 
 
 # ---------------------------------------------------------------- dispatch
@@ -200,7 +277,7 @@ def cp_fwd(strategy, local_fwd, axis, cp_size, *args):
 
 def cp_bwd(strategy, local_bwd, axis, cp_size, *args):
   if isinstance(strategy, DocumentPlacement):
-    return placed_bwd(strategy, local_bwd, axis, *args)
+    return placed_bwd(strategy, local_bwd, axis, cp_size, *args)
   if strategy == "ring":
     return ring_bwd(local_bwd, axis, cp_size, *args)
-  return all_gather_bwd(local_bwd, axis, *args)
+  return all_gather_bwd(local_bwd, axis, cp_size, *args)
