@@ -79,7 +79,7 @@ def placed_rows(draw):
   """Rows of documents short and long (some longer than a shard), reused ids, padding anywhere,
   all-padding rows and one-document rows; cp and a shared size."""
   cp = draw(st.sampled_from([2, 4, 8]))
-  s = draw(st.sampled_from([64, 128]))
+  s = draw(st.sampled_from([64, 128, 512]))   # 512: all-shared rows take balanced blocks at cp 2, 4
   kind = draw(st.sampled_from(["packed", "packed", "one_document", "padding"]))
   rows = []
   for _ in range(2):
@@ -221,6 +221,28 @@ def test_placement_with_gqa_heads_sharded(cpu_devices):
   mesh = _mesh(1, 2, 4)
   s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
   args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  got = jax.jit(_fwd_bwd(placement, MASKS["causal"]))(*args)
+  _check(got, jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
+
+
+def test_all_shared_rows_take_balanced_blocks(cpu_devices):
+  """R = S / cp gathers every key: the layout is all_gather's balanced blocks (S a multiple of
+  cp * 128), and the attention on it equals the unsharded call."""
+  cp, s = 4, 1024
+  seg = np.zeros((1, s), np.int32)
+  seg[0, :700], seg[0, 700:990] = 1, 2
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
+  placement = jaxcp.DocumentPlacement(s // cp)
+  perm = jaxcp.load_balance_permutation(seg, cp, strategy=placement)
+  np.testing.assert_array_equal(perm, jaxcp.load_balance_permutation(seg, cp, strategy="balanced_blocks"))
+  np.testing.assert_array_equal(perm, np.asarray(jax.jit(
+      lambda x: jaxcp.load_balance_permutation(x, cp, strategy=placement))(jnp.asarray(seg))))
+  rng = np.random.default_rng(5)
+  qkv = [jnp.asarray(rng.standard_normal((1, s, h, D)), jnp.float32) for h in (HQ, HKV, HKV, HQ)]
+  arrays = [jaxcp.load_balance(jnp.asarray(x), cp, strategy=perm) for x in (*qkv, seg, pos)]
+  mesh = _mesh(1, 1, cp)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
+  args = [jax.device_put(x, sh) for x, sh in zip(arrays, (s4, s4, s4, s4, s2, s2))]
   got = jax.jit(_fwd_bwd(placement, MASKS["causal"]))(*args)
   _check(got, jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 

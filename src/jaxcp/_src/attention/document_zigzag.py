@@ -1,6 +1,7 @@
-"""Document runs of a row and the zigzag cut of every document over cp ranks, shared by the
-"zigzag_docs" load-balancing strategy and the shared region of a DocumentPlacement. Works on
-numpy (xp=np) and on JAX arrays (xp=jnp), traced or not."""
+"""Document-aware token layouts over cp ranks: a row's document runs, the zigzag cut of every
+document ("zigzag_docs", and the shared region of a DocumentPlacement) and the balanced
+blocks ("balanced_blocks", and a DocumentPlacement that shares every segment). Works on numpy
+(xp=np) and on JAX arrays (xp=jnp), traced or not."""
 from __future__ import annotations
 
 import jax
@@ -70,3 +71,29 @@ def zigzag_docs_ranks(seg, cp: int, xp):
   n_real = xp.sum(real_i, axis=-1, keepdims=True, dtype=i32)
   rank_pad = (n_real + (idx - real_excl)) % cp
   return xp.where(real, rank_real, rank_pad).astype(i32)
+
+
+def balanced_blocks_order(seg, cp: int, block_size: int, xp):
+  """Block order (int32 [..., S // block_size]) for strategy 'balanced_blocks'.
+
+  Blocks of block_size consecutive tokens are sorted by causal work (sum of position + 1 over
+  their non-padding tokens), heaviest first, and dealt to ranks in snake order (0, 1, ..., cp-1,
+  cp-1, ..., 0, 0, 1, ...): every rank gets the same number of blocks and the heaviest blocks
+  are paired with the lightest. Each rank keeps its blocks in their original order.
+  """
+  s = seg.shape[-1]
+  nb = s // block_size
+  idx, real, doc_start = document_layout(seg, xp)
+  # Exact integer sums (numpy and JAX agree bit for bit) unless int32 could overflow in JAX.
+  wdtype = np.int64 if xp is np else (jnp.int32 if s * block_size < 2**31 else jnp.float32)
+  work = xp.where(real, idx - doc_start + 1, 0).astype(wdtype)
+  work = xp.sum(xp.reshape(work, seg.shape[:-1] + (nb, block_size)), axis=-1)
+  k = np.arange(nb) % (2 * cp)
+  snake = np.where(k < cp, k, 2 * cp - 1 - k).astype(np.int32)
+  if xp is np:
+    by_work = np.argsort(-work, axis=-1, kind="stable")
+    rank = np.take(snake, np.argsort(by_work, axis=-1, kind="stable"))
+    return np.argsort(rank, axis=-1, kind="stable").astype(np.int32)
+  by_work = jnp.argsort(-work, axis=-1, stable=True)
+  rank = jnp.take(jnp.asarray(snake), jnp.argsort(by_work, axis=-1, stable=True))
+  return jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import compat
-from .document_zigzag import document_layout, zigzag_docs_ranks
+from .document_zigzag import balanced_blocks_order, zigzag_docs_ranks
 from .placement import DocumentPlacement, check_cp_size, placement_permutation
 
 __all__ = [
@@ -279,32 +279,6 @@ def invert_permutation(perm):
 # document-aware permutation
 
 
-def _balanced_blocks_order(seg, cp: int, block_size: int, xp):
-  """Block order (int32 [..., S // block_size]) for strategy 'balanced_blocks'.
-
-  Blocks of block_size consecutive tokens are sorted by causal work (sum of position + 1 over
-  their non-padding tokens), heaviest first, and dealt to ranks in snake order (0, 1, ..., cp-1,
-  cp-1, ..., 0, 0, 1, ...): every rank gets the same number of blocks and the heaviest blocks
-  are paired with the lightest. Each rank keeps its blocks in their original order.
-  """
-  s = seg.shape[-1]
-  nb = s // block_size
-  idx, real, doc_start = document_layout(seg, xp)
-  # Exact integer sums (numpy and JAX agree bit for bit) unless int32 could overflow in JAX.
-  wdtype = np.int64 if xp is np else (jnp.int32 if s * block_size < 2**31 else jnp.float32)
-  work = xp.where(real, idx - doc_start + 1, 0).astype(wdtype)
-  work = xp.sum(xp.reshape(work, seg.shape[:-1] + (nb, block_size)), axis=-1)
-  k = np.arange(nb) % (2 * cp)
-  snake = np.where(k < cp, k, 2 * cp - 1 - k).astype(np.int32)
-  if xp is np:
-    by_work = np.argsort(-work, axis=-1, kind="stable")
-    rank = np.take(snake, np.argsort(by_work, axis=-1, kind="stable"))
-    return np.argsort(rank, axis=-1, kind="stable").astype(np.int32)
-  by_work = jnp.argsort(-work, axis=-1, stable=True)
-  rank = jnp.take(jnp.asarray(snake), jnp.argsort(by_work, axis=-1, stable=True))
-  return jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
-
-
 def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "balanced_blocks",
                              block_size: int = 128):
   """Per-row token permutation that balances causal attention work over ``cp_size`` ranks.
@@ -380,7 +354,7 @@ def load_balance_permutation(segment_ids, cp_size: int, *, strategy: str = "bala
           f"strategy='balanced_blocks' needs the sequence length to be a multiple of "
           f"cp_size * block_size = {cp * block_size}, got {s}; pad the sequence to a multiple of "
           f"{cp * block_size} or pass a smaller block_size.")
-    order = _balanced_blocks_order(segment_ids, cp, block_size, xp)
+    order = balanced_blocks_order(segment_ids, cp, block_size, xp)
     perm = order[..., :, None] * block_size + xp.arange(block_size, dtype=np.int32)
     return xp.reshape(perm, segment_ids.shape).astype(np.int32)
   ranks = zigzag_docs_ranks(segment_ids, cp, xp)
