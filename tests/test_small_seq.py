@@ -19,6 +19,7 @@ from jaxcp._src import registry
 from jaxcp._src.small_seq.api import (ragged_rows, small_seq_attention, small_seq_eligible,
                                       small_seq_from_attention)
 from jaxcp._src.small_seq.primitive import SmallSeqConfig, local_fwd
+from jaxcp._src.small_seq.one_key import one_key_attention
 from jaxcp._src.small_seq.reference import small_seq_reference
 from tests.helpers import rel_err
 
@@ -607,6 +608,30 @@ def _small_seq_custom_calls(fn, *args) -> list:
   """The small-seq custom calls of fn's lowered program, each with its "kernel" attribute."""
   hlo = jax.jit(fn).lower(*args).as_text()
   return [line for line in hlo.splitlines() if "jaxcp_small_seq_" in line and "custom_call" in line]
+
+
+@pytest.mark.parametrize("hq,hkv,dtype", [(8, 8, jnp.bfloat16), (4, 2, jnp.float32), (8, 2, jnp.float16)])
+def test_one_key_path_matches_the_reference(hq, hkv, dtype):
+  """The one-key path (implementation=None on a GPU for padded rows of one key): the reference's
+  output and gradients (dQ = dK = 0, dV = dO over the group) for lengths in and out of [0, 1] and
+  keys the mask forbids."""
+  rng = np.random.default_rng(11)
+  b, d = 64, 32
+  q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((b, 1, hkv, d)), dtype) for _ in range(2))
+  dout = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+  index = (jnp.asarray(rng.integers(-2, 4, b), jnp.int32), jnp.asarray(rng.integers(0, 4, b), jnp.int32))
+  config = SmallSeqConfig(d ** -0.5, 1, False)
+  runs = [jax.vjp(lambda q, k, v, f=f: f(q, k, v, index, config), q, k, v)
+          for f in (one_key_attention, lambda *a: small_seq_reference(*a)[0])]
+  (got, got_vjp), (want, want_vjp) = runs
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  allowed = (np.asarray(index[0]) >= 1) & (np.asarray(index[1]) % 2 == 1)
+  assert 0 < allowed.sum() < b and not np.asarray(got)[~allowed].any()
+  grads = got_vjp(dout)
+  assert not np.asarray(grads[0]).any() and not np.asarray(grads[1]).any()
+  for g, w in zip(grads, want_vjp(dout)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
 
 
 @needs_cpu_kernel

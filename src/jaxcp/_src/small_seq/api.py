@@ -20,6 +20,7 @@ from ..masks import allowed_pairs
 from ..primitive_utils import CUDA_DTYPES, check_int_array, choose_implementation
 from . import dispatch, sharding  # noqa: F401  (gives the primitives their partitioned lowering)
 from .primitive import MAX_KV_LEN, SmallSeqConfig, small_seq_bwd_p, small_seq_fwd_p
+from .one_key import one_key_attention
 from .reference import small_seq_reference
 
 _CUDA_HEAD_DIMS = (64, 128, 256, 512)
@@ -61,11 +62,13 @@ def _check_scale(scale, head_dim) -> float:
 
 
 def _run(query, key, value, index, config, impl, auto=False):
-  """The call on `impl`; auto (implementation=None) also takes the pure-JAX path where it is the
-  faster one on a GPU (dispatch.prefer_xla)."""
+  """The call on `impl`; auto (implementation=None) also takes the pure-JAX one-key path where it
+  is the faster one on a GPU (dispatch.prefer_xla)."""
   group = query.shape[1] // key.shape[-2]
-  if impl == "xla" or (auto and impl == "cuda" and dispatch.prefer_xla(group, config.max_len, config.ragged)):
+  if impl == "xla":
     return small_seq_reference(query, key, value, index, config)[0]
+  if auto and impl == "cuda" and dispatch.prefer_xla(group, config.max_len, config.ragged):
+    return one_key_attention(query, key, value, index, config)
   registry.ensure_registered()
   return _kernel_call(query, key, value, tuple(index), config)
 
@@ -111,8 +114,8 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
       registers by it: pass the real bound when rows are short.
     scale: softmax scale, default D ** -0.5.
     implementation: None (the fastest for the device and shape: the CUDA kernels on a GPU, but
-      the pure-JAX path for padded rows of one key and groups of 1-2 heads, where XLA's fused
-      program wins; see small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512; bf16/f16),
+      a pure-JAX copy of V for padded rows of one key and groups of 1-2 heads, see
+      small_seq/one_key.py and small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512; bf16/f16),
       "cpu" or "xla" (pure-JAX reference).
 
   Returns:
