@@ -94,7 +94,7 @@ def test_jit_context_parallel_matches_unsharded(cpu_devices, strategy, mesh_shap
     assert "collective-permute" in found and "all-gather" not in found
   # Q (the only [*, *, local Hq, D] operand) is never gathered along the sequence.
   gathered = [[int(x) for x in shape.split(",")]
-              for shape in re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
+              for shape in re.findall(r"= [fu]32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
   if strategy == "all_gather":
     assert gathered, "the all-gather pattern no longer matches the HLO text"
   # K, V, segment ids and positions packed into one [B, S, 2 * local Hkv * D + 2] array.

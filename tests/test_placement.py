@@ -201,7 +201,7 @@ def test_jit_placement_matches_unsharded(cpu_devices, mesh_shape, mask_name):
   # K, V and the key tokens' arrays, packed into one [B, cp * R, 2 * local Hkv * D + 2] array per
   # direction: Q never.
   gathered = [[int(x) for x in shape.split(",")]
-              for shape in re.findall(r"= [fs]32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
+              for shape in re.findall(r"= [fsu]32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
   assert ("all-gather" in text) == (r > 0) and "collective-permute" not in text
   assert len(gathered) == (2 if r else 0)
   assert all(dims == [B // dp, cp * r, 2 * (HKV // tp) * D + 2] for dims in gathered)

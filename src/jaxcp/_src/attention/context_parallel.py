@@ -74,15 +74,21 @@ def _merge(out, lse, out_i, lse_i):
 # ---------------------------------------------------------------- all-gather
 
 
-def _pack(xs):
-  """[B, n, ...] arrays as one [B, n, m] array of the first one's dtype (the others bitcast, e.g.
-  an int32 to two bfloat16), so that one collective moves them all (XLA's default GPU schedule
-  keeps one async collective in flight; the others block). Returns (arrays to move, the function that splits them (of any n)
-  back); arrays whose dtype cannot be bitcast so travel as they are."""
-  dtype = xs[0].dtype
-  size = jnp.dtype(dtype).itemsize
-  if any(jnp.dtype(x.dtype).itemsize % size for x in xs):
+_BITS = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _pack(xs, as_bits: bool = True):
+  """[B, n, ...] arrays as one [B, n, m] array, so that one collective moves them all (XLA's
+  default GPU schedule keeps one async collective in flight; the others block). as_bits: every
+  array bitcast to the unsigned integer of the first one's width (an int32 is two uint16 beside
+  bfloat16 K/V), so that nothing on the way can touch a float's bits; otherwise the arrays share
+  a float dtype and keep it (their sums are taken on arrival). Returns (arrays to move, the
+  function that splits them (of any n) back); arrays that do not bitcast so travel as they are."""
+  dtype = _BITS.get(jnp.dtype(xs[0].dtype).itemsize) if as_bits else xs[0].dtype
+  if (dtype is None or any(jnp.dtype(x.dtype).itemsize % jnp.dtype(dtype).itemsize for x in xs)
+      or (not as_bits and any(x.dtype != dtype for x in xs))):
     return tuple(xs), tuple
+  size = jnp.dtype(dtype).itemsize
   b, n = xs[0].shape[:2]
   cols = [(x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)).reshape(b, n, -1) for x in xs]
   widths = [c.shape[2] for c in cols]
@@ -253,7 +259,7 @@ def _sum_scatter(axis, cp_size, xs):
   j) and keeps this rank's blocks. The partials travel in their own dtype, packed into one
   all-to-all (in bfloat16, half the bytes of a float32 reduce-scatter), and are summed here in
   float32."""
-  moved, unpack = _pack(xs)
+  moved, unpack = _pack(xs, as_bits=False)
 
   def own_blocks(x):
     b, n, *rest = x.shape
