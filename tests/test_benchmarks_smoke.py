@@ -107,3 +107,33 @@ def test_ratio_summary_drops_peers_with_wrong_results():
   assert _fmt(results[0]["cudnn_static"], "fwd_tflops") == "100"
   assert _ratio(results[2]["jaxcp"], results[2]["cudnn_static"], "fwd_tflops") == "-"
   assert s["unpadded_fwd_bwd_tflops"]["cases"] == 2  # the packed peer's ratios are unchanged
+
+
+_SCHEDULE = """
+%dynamic_slice_fusion_computation (p0: bf16[8,4], p1: s32[8]) -> bf16[4,4] {
+  %k = (bf16[4,4], u8[4]) custom-call(%s0, %s1), custom_call_target="jaxcp_attention_fwd"
+}
+
+ENTRY %main (param: bf16[8,4]) -> bf16[16,4] {
+  %all-gather-start = (bf16[4,4], bf16[16,4]) all-gather-start(%p), dimensions={0}
+  %dynamic_slice_fusion = bf16[4,4] fusion(%param), kind=kCustom, calls=%dynamic_slice_fusion_computation
+  %all-gather-done = bf16[16,4] all-gather-done(%all-gather-start)
+  %all-to-all-start = (bf16[4,4], bf16[4,4]) all-to-all-start(%q)
+  %wrapped_concatenate = bf16[16,4] fusion(%a, %b), kind=kLoop, calls=%wrapped_concatenate_computation
+  %all-to-all-done = bf16[4,4] all-to-all-done(%all-to-all-start)
+}
+"""
+
+
+def test_cp_overlap_evidence_sees_kernels_inside_fusions():
+  """bench_cp's overlap check: a jaxcp kernel that XLA wrapped in a dynamic-slice fusion (slices
+  passed as addresses) counts inside an all-gather window; a copy fusion does not."""
+  sys.path.insert(0, BENCH)
+  try:
+    from bench_cp import overlap_evidence
+  finally:
+    sys.path.remove(BENCH)
+  assert overlap_evidence(_SCHEDULE, "all-gather")
+  assert not overlap_evidence(_SCHEDULE, "all-to-all")
+  assert not overlap_evidence(_SCHEDULE.replace("calls=%dynamic_slice_fusion_computation", "calls=%other"),
+                              "all-gather")
