@@ -237,6 +237,10 @@ def test_all_shared_rows_take_balanced_blocks(cpu_devices):
   np.testing.assert_array_equal(perm, jaxcp.load_balance_permutation(seg, cp, strategy="balanced_blocks"))
   np.testing.assert_array_equal(perm, np.asarray(jax.jit(
       lambda x: jaxcp.load_balance_permutation(x, cp, strategy=placement))(jnp.asarray(seg))))
+  # Past 4 ranks (blocks get coarse for a shard; not measured) the zigzag pieces stay.
+  wide = jaxcp.DocumentPlacement(s // 8)
+  assert not np.array_equal(jaxcp.load_balance_permutation(seg, 8, strategy=wide),
+                            jaxcp.load_balance_permutation(seg, 8, strategy="balanced_blocks"))
   rng = np.random.default_rng(5)
   qkv = [jnp.asarray(rng.standard_normal((1, s, h, D)), jnp.float32) for h in (HQ, HKV, HKV, HQ)]
   arrays = [jaxcp.load_balance(jnp.asarray(x), cp, strategy=perm) for x in (*qkv, seg, pos)]

@@ -43,9 +43,10 @@ DEFAULT_PAIR_COST = 0.5
 # A placement is balanced when its costliest rank is at most this far above the mean.
 DEFAULT_TOLERANCE = 0.02
 # A placement that shares every segment (R = S / cp) gathers every key, so any layout is exact:
-# it takes all_gather's balanced blocks of this many tokens (the kernels' tile), which ran 1-7%
-# faster than zigzag pieces on rows of one or a few long documents (2 and 4 H200s).
-ALL_SHARED_BLOCK = 128
+# up to 4 ranks it takes all_gather's balanced blocks of 128 tokens (the kernels' tile), which
+# ran 1-7% faster than zigzag pieces on rows of one or a few long documents (2 and 4 H200s).
+# Beyond, blocks get coarse for a shard (cp_balance.py) and nothing was measured: zigzag pieces.
+ALL_SHARED_BLOCK, ALL_SHARED_BLOCKS_MAX_CP = 128, 4
 # choose_placement's default sizes: these fractions of S / cp (the last is the full exchange).
 DEFAULT_SHARED_FRACTIONS = (0.0, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
 
@@ -60,8 +61,8 @@ class DocumentPlacement:
   Attributes:
     shared_tokens: R, the tokens per rank (and per row) in the shared region, the last R of
       each rank's ``S / cp``. Static: each value compiles its own program. 0 means no exchange
-      at all; ``S / cp`` means every segment is shared (the exchange of all_gather, and its
-      layout: balanced blocks of 128 tokens where S is a multiple of cp * 128).
+      at all; ``S / cp`` means every segment is shared (the exchange of all_gather, and up to
+      4 ranks its layout: balanced blocks of 128 tokens where S is a multiple of cp * 128).
     token_cost, pair_cost: the balancing cost of a segment of L tokens,
       ``token_cost * L + pair_cost * L**2``.
     tolerance: how far above the mean the costliest rank may be before more segments are
@@ -228,7 +229,7 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
   s = row.shape[0]
   shard = s // cp
   r_tokens = placement.shared_tokens
-  if r_tokens == shard and s % (cp * ALL_SHARED_BLOCK) == 0:
+  if r_tokens == shard and cp <= ALL_SHARED_BLOCKS_MAX_CP and s % (cp * ALL_SHARED_BLOCK) == 0:
     order = balanced_blocks_order(row[None], cp, ALL_SHARED_BLOCK, np)[0]
     perm = (order[:, None] * ALL_SHARED_BLOCK + np.arange(ALL_SHARED_BLOCK)).reshape(s).astype(np.int32)
     return perm, np.zeros(s, bool)
