@@ -23,6 +23,7 @@ Reported per case:
 
   python benchmarks/bench_cp.py                                   # everything (two device calls' worth)
   python benchmarks/bench_cp.py --seq 131072 --mixes doc8k --heads 32 8
+  python benchmarks/bench_cp.py --gpus 2 --cases 131072:doc8k:32/8 --hlo-dir $OUT/hlo   # + schedules
 
 Writes cp_<kind>x<N>.{json,md} (kind: the device, N: the most GPUs run, e.g. cp_h200x4) to
 --out, $OUT or benchmarks/results/.
