@@ -115,8 +115,8 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
     scale: softmax scale, default D ** -0.5.
     implementation: None (the fastest for the device and shape: the CUDA kernels on a GPU, but
       a pure-JAX copy of V for padded rows of one key and groups of 1-2 heads, see
-      small_seq/one_key.py and small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512; bf16/f16),
-      "cpu" or "xla" (pure-JAX reference).
+      small_seq/one_key.py and small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512;
+      bf16/f16), "cpu" or "xla" (pure-JAX reference).
 
   Returns:
     out [B, Hq, D] in query's dtype.

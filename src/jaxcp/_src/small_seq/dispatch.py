@@ -22,8 +22,9 @@ copy of V, and XLA's fused forward+backward (one pass over Q, K, V, dO) beat the
 passes by 10-35% in the family sweep; the generic pure-JAX program ran at 0.95-1.03x XLA in the
 final sweep (the same computation). implementation=None takes the pure-JAX one-key path there
 (one_key.py: V where the key is allowed, without reading Q or K): 1.6-1.8x XLA forward and
-1.6-3.4x forward+backward at B = 256k-1M, groups of 1-2, D 64-128 (one H200, 2026-11-27). Not for the ragged layout: a pure-JAX path gathers the rows' tokens, and the
-gather's backward (a scatter-add) ran at 0.23-0.26x XLA.
+1.6-3.4x forward+backward at B = 256k-1M, groups of 1-2, D 64-128 (one H200, 2026-11-27). Not
+for the ragged layout: a pure-JAX path gathers the rows' tokens, and the gather's backward (a
+scatter-add) ran at 0.23-0.26x XLA.
 """
 from __future__ import annotations
 
