@@ -2,7 +2,7 @@
 # Context-parallel benchmark on a multi-GPU host (4 GPUs; on 2, pass --gpus 2): builds jaxcp with
 # the CUDA extension, calibrates the document placement's cost model on GPU 0
 # (benchmarks/calibrate_placement.py), then runs benchmarks/bench_cp.py over 1, 2 and 4 GPUs with
-# that calibration. Outputs go to $OUT or ./gpu_results.
+# that calibration. Outputs go to $OUT or ./gpu_results (the compiled schedules in cp_hlo.tgz).
 #   bash tools/gpu_cp_check.sh [bench_cp.py args]
 #   SKIP_CALIBRATION=1 bash tools/gpu_cp_check.sh --seq 262144 --append   (reuse $OUT's calibration)
 set -uo pipefail
@@ -15,4 +15,9 @@ if [[ -z "${SKIP_CALIBRATION:-}" ]]; then
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/calibrate_placement.py --out "$OUT" 2>&1 | tail -16
 fi
 calibration=$(ls "$OUT"/placement_calibration_*.json 2>/dev/null | head -1)
-python3 benchmarks/bench_cp.py --out "$OUT" ${calibration:+--calibration "$calibration"} "$@" 2>&1 | tail -60
+python3 benchmarks/bench_cp.py --out "$OUT" ${calibration:+--calibration "$calibration"} --hlo-dir "$OUT/cp_hlo" "$@" \
+  2>&1 | tail -60
+rc=${PIPESTATUS[0]}
+# The compiled schedules (one file per sharded program) as one archive: the device tool returns few files.
+[[ -d "$OUT/cp_hlo" ]] && tar czf "$OUT/cp_hlo.tgz" -C "$OUT" cp_hlo && rm -rf "$OUT/cp_hlo"
+exit $rc
