@@ -636,7 +636,8 @@ def test_one_key_path_matches_the_reference(hq, hkv, dtype):
 
 @needs_cpu_kernel
 def test_cpu_default_always_runs_the_kernel():
-  """prefer_xla is a GPU rule: on the CPU, implementation=None runs the CPU kernel for one key too."""
+  """prefer_one_key_path is a GPU rule: on the CPU, implementation=None runs the CPU kernel for
+  one key too."""
   if jax.default_backend() != "cpu":
     pytest.skip("CPU backend only")
   q, k = jnp.zeros((4, 2, 16), jnp.float32), jnp.zeros((4, 1, 2, 16), jnp.float32)

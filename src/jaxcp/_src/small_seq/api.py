@@ -63,11 +63,11 @@ def _check_scale(scale, head_dim) -> float:
 
 def _run(query, key, value, index, config, impl, auto=False):
   """The call on `impl`; auto (implementation=None) also takes the pure-JAX one-key path where it
-  is the faster one on a GPU (dispatch.prefer_xla)."""
+  is the faster one on a GPU (dispatch.prefer_one_key_path)."""
   group = query.shape[1] // key.shape[-2]
   if impl == "xla":
     return small_seq_reference(query, key, value, index, config)[0]
-  if auto and impl == "cuda" and dispatch.prefer_xla(group, config.max_len, config.ragged):
+  if auto and impl == "cuda" and dispatch.prefer_one_key_path(group, config.max_len, config.ragged):
     return one_key_attention(query, key, value, index, config)
   registry.ensure_registered()
   return _kernel_call(query, key, value, tuple(index), config)
@@ -245,7 +245,7 @@ def small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, sp
     query [B, 1, Hq, D], key/value [B, Skv, Hkv, D]: validated by jaxcp.attention.
     q_seg, q_pos [B, 1], kv_seg, kv_pos [B, Skv]: int32 token arrays from masks.token_arrays.
     spec: the MaskSpec; scale: Python float; implementation: "cuda" or "cpu"; auto: the caller
-    passed implementation=None (the pure-JAX path may win, see dispatch.prefer_xla).
+    passed implementation=None (the one-key path may run, see dispatch.prefer_one_key_path).
   Returns:
     out [B, 1, Hq, D] in query's dtype, equal to jaxcp.attention's output (rows without an
     allowed key give 0). Gradients flow to query, key and value.

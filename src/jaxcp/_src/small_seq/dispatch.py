@@ -17,9 +17,9 @@ sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
   - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
     otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128;
   - larger groups: mma (cuda_core for backward groups over 16).
-`prefer_xla`: with one key per row (padded layout) and a group of 1-2 heads the attention is a
-copy of V, and XLA's fused forward+backward (one pass over Q, K, V, dO) beat the two kernel
-passes by 10-35% in the family sweep; the generic pure-JAX program ran at 0.95-1.03x XLA in the
+`prefer_one_key_path`: with one key per row (padded layout) and a group of 1-2 heads the
+attention is a copy of V, and XLA's fused forward+backward (one pass over Q, K, V, dO) beat the
+two kernel passes by 10-35% in the family sweep; the generic pure-JAX program ran at 0.95-1.03x XLA in the
 final sweep (the same computation). implementation=None takes the pure-JAX one-key path there
 (one_key.py: V where the key is allowed, without reading Q or K): 1.6-1.8x XLA forward and
 1.6-3.4x forward+backward at B = 256k-1M, groups of 1-2, D 64-128 (one H200, 2026-11-27). Not
@@ -66,8 +66,9 @@ def default_bwd(group: int, head_dim: int, max_len: int) -> str:
   return "mma" if group <= MMA_BWD_MAX_GROUP else "cuda_core"
 
 
-def prefer_xla(group: int, max_len: int, ragged: bool) -> bool:
-  """Whether implementation=None runs the pure-JAX path instead of the CUDA kernels."""
+def prefer_one_key_path(group: int, max_len: int, ragged: bool) -> bool:
+  """Whether implementation=None runs the pure-JAX one-key path (one_key.py) instead of the CUDA
+  kernels."""
   return max_len == 1 and group <= LANES_MAX_GROUP and not ragged
 
 
