@@ -14,12 +14,14 @@ Reported per case:
   exposed comm   (TN - Tcompute) / TN, Tcompute the slowest rank's kernels timed alone on one
                  GPU (its queries against the keys it attends to, all local);
   MB/rank        bytes a rank receives per forward+backward (K and V in bf16, segment ids and
-                 positions, dK/dV summed over the ranks: bf16 in the all-to-all of all_gather and
-                 the placement, float32 in the ring);
+                 positions: gathered once by a placement that keeps them for the backward; dK/dV
+                 summed over the ranks: bf16 in the all-to-all of all_gather and the placement,
+                 float32 in the ring);
   R              the placement's shared tokens per rank (of S / N);
   max rel err    against the one-GPU outputs and gradients;
   overlap        the compiled schedule has a jaxcp kernel inside an all-gather-start/done
-                 (placement) or collective-permute-start/done (ring) window.
+                 (placement; and inside the backward's all-to-all-start/done, where the forward
+                 kept the gathered K/V) or collective-permute-start/done (ring) window.
 
   python benchmarks/bench_cp.py                                   # everything (two device calls' worth)
   python benchmarks/bench_cp.py --seq 131072 --mixes doc8k --heads 32 8
@@ -100,12 +102,13 @@ def overlap_evidence(hlo: str, op: str) -> bool:
   return False
 
 
-def bytes_per_rank(strategy, n, s, hkv, shared=0):
-  """Bytes one rank receives per forward+backward (see the module doc)."""
+def bytes_per_rank(strategy, n, s, hkv, shared=0, gathers=2):
+  """Bytes one rank receives per forward+backward (see the module doc); gathers: how many times
+  the placement gathers the shared K/V (1 when the forward keeps them)."""
   kv_token = 2 * hkv * D * 2 + 8          # K and V in bf16, segment id and position
   grad_token = 2 * hkv * D * 2            # dK and dV in bf16 (all-to-all, summed in float32 on arrival)
   if strategy == "placement":
-    return (n - 1) * shared * (2 * kv_token + grad_token)
+    return (n - 1) * shared * (gathers * kv_token + grad_token)
   if strategy == "ring":
     return (n - 1) * (s // n) * 2 * kv_token + n * (s // n) * 2 * grad_token   # float32 accumulators
   return (n - 1) * (s // n) * (2 * kv_token + grad_token)
@@ -199,8 +202,12 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
       row = dict(base, gpus=n, strategy=strategy, balance=balance, shared_tokens=shared, ms=t * 1e3,
                  tflops=flops / t / 1e12, efficiency=t1 / (n * t), compute_ms=t_comp * 1e3,
                  exposed_comm=max(0.0, (t - t_comp) / t) if t_comp == t_comp else None, max_rel_err=err,
-                 mb_per_rank=bytes_per_rank(strategy, n, seq_len, hkv, shared) / 1e6,
+                 mb_per_rank=bytes_per_rank(strategy, n, seq_len, hkv, shared,
+                                            gathers=1 if getattr(context_parallel, "cp_size", None) else 2) / 1e6,
                  overlap=overlap_evidence(hlo, op) if op and (strategy != "placement" or shared) else None)
+      if strategy == "placement" and shared and context_parallel.cp_size:
+        # The backward's dK/dV all-to-all has the local part inside it (the forward kept the gather).
+        row["overlap"] = row["overlap"] and overlap_evidence(hlo, "all-to-all")
       rows.append(row)
       print(f"  {n} GPUs {strategy:10s} {balance:15s} R={shared:6d}: {t * 1e3:7.1f} ms, eff {row['efficiency']:.3f}, "
             f"exposed {row['exposed_comm']}, {row['mb_per_rank']:.0f} MB/rank, err {err:.1e}, "

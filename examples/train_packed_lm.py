@@ -328,7 +328,7 @@ def document_placement(args, cp: int):
   """The run's one DocumentPlacement: --shared-tokens per rank (default S / cp / 4), a single
   static size, so one program serves every step on every process."""
   shared = args.shared_tokens if args.shared_tokens is not None else args.seq_len // cp // 4
-  return jaxcp.DocumentPlacement(shared)
+  return jaxcp.DocumentPlacement(shared, cp_size=cp)
 
 
 def _balanced_blocks_size(seq_len: int, cp: int) -> int:

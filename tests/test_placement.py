@@ -2,6 +2,7 @@
 gradients equal to the unsharded call on 8 host devices (jit partitioning with cp, dp x cp and
 tp x cp meshes, shard_map, every mask, GQA), and a compiled HLO that gathers only the shared
 region and never Q."""
+import dataclasses
 import functools
 import re
 
@@ -44,11 +45,11 @@ def _qkv(seed, hq=HQ, hkv=HKV):
   return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
 
 
-def _fwd_bwd(strategy, mask, axis=None, implementation=None):
+def _fwd_bwd(strategy, mask, axis=None, implementation=None, remat=None):
   def run(q, k, v, dout, seg, pos):
     f = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, context_parallel=strategy,
                                         context_parallel_axis=axis, implementation=implementation, **mask)
-    out, vjp = jax.vjp(f, q, k, v)
+    out, vjp = jax.vjp(remat(f) if remat else f, q, k, v)
     return (out, *vjp(dout))
   return run
 
@@ -197,13 +198,14 @@ def test_jit_placement_matches_unsharded(cpu_devices, mesh_shape, mask_name):
   f = jax.jit(_fwd_bwd(placement, MASKS[mask_name]))
   text = f.lower(*args).compile().as_text()
   r = placement.shared_tokens
+  assert placement.cp_size == cp
   # Only the shared region is gathered (the gathered sequence is cp * R, never all of S) and only
-  # K, V and the key tokens' arrays, packed into one [B, cp * R, 2 * local Hkv * D + 2] array per
-  # direction: Q never.
+  # K, V and the key tokens' arrays, packed into one [B, cp * R, 2 * local Hkv * D + 2] array, once:
+  # the forward keeps it for the backward (choose_placement's placements know their ranks). Q never.
   gathered = [[int(x) for x in shape.split(",")]
               for shape in re.findall(r"= [fsu]32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
   assert ("all-gather" in text) == (r > 0) and "collective-permute" not in text
-  assert len(gathered) == (2 if r else 0)
+  assert len(gathered) == (1 if r else 0)
   assert all(dims == [B // dp, cp * r, 2 * (HKV // tp) * D + 2] for dims in gathered)
   # The backward sums only the shared keys' dK/dV: blocks of R tokens ([B, 1 or cp, R, Hkv, D])
   # sent to their rank by an all-to-all, never a reduce-scatter of the whole shard.
@@ -215,14 +217,67 @@ def test_jit_placement_matches_unsharded(cpu_devices, mesh_shape, mask_name):
   _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS[mask_name], implementation="xla"))(*arrays))
 
 
-def test_placement_with_gqa_heads_sharded(cpu_devices):
-  """GQA 8 / 2 with the heads over tp = 2 and the sequence over cp = 4."""
-  placement, arrays = _placed(4, sizes=(0, 8, 16), hq=8, hkv=2)
-  mesh = _mesh(1, 2, 4)
+@pytest.mark.parametrize("tp,cp", [(2, 4), (4, 2)])
+def test_placement_with_gqa_heads_sharded(cpu_devices, tp, cp):
+  """GQA 8 / 2 with the heads over tp and the sequence over cp: at tp = 4 each shard's two query
+  heads share one kv head, which it slices out of replicated K/V (and of the kept shared K/V)."""
+  placement, arrays = _placed(cp, sizes=shared_sizes(S, cp, (0, 1 / 2, 3 / 4, 1)), hq=8, hkv=2)
+  assert placement.shared_tokens > 0
+  mesh = _mesh(1, tp, cp)
   s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
-  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  kv = s4 if tp <= 2 else NamedSharding(mesh, P("dp", "cp", None, None))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, kv, kv, s4, s2, s2))]
   got = jax.jit(_fwd_bwd(placement, MASKS["causal"]))(*args)
   _check(got, jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
+
+
+def test_placement_without_its_ranks_gathers_again(cpu_devices):
+  """A DocumentPlacement that does not name its ranks keeps memory O(S / cp): the backward
+  gathers the shared K/V again instead of keeping the forward's."""
+  cp = 4
+  placement, arrays = _placed(cp, sizes=(0, 8, 16))
+  assert placement.shared_tokens > 0
+  placement = dataclasses.replace(placement, cp_size=None)
+  mesh = _mesh(1, 1, cp)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  f = jax.jit(_fwd_bwd(placement, MASKS["causal"]))
+  assert len(re.findall(r"all-gather\(", f.lower(*args).compile().as_text())) == 2
+  _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
+
+
+def test_placement_for_other_ranks_is_refused(cpu_devices):
+  placement, arrays = _placed(4, sizes=(0, 8, 16))
+  mesh = _mesh(1, 1, 2)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  # Raised by the partitioner, inside the compilation (which reports it as its own error).
+  with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="cp_size=4"):
+    jax.jit(_fwd_bwd(placement, MASKS["causal"])).lower(*args).compile()
+  with pytest.raises(ValueError, match="cp_size=4"):
+    jaxcp.load_balance_permutation(np.asarray(arrays[4]), 2, strategy=placement)
+  with pytest.raises(ValueError, match="cp_size"):
+    jaxcp.DocumentPlacement(8, cp_size=0)
+
+
+def test_placement_under_remat_and_vmap(cpu_devices):
+  """The kept shared K/V are residuals like any other: jax.checkpoint recomputes them (or a policy
+  saves them by name), and vmap folds them into the batch."""
+  cp = 4
+  placement, arrays = _placed(cp, sizes=(0, 8, 16))
+  mesh = _mesh(1, 1, cp)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  want = jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays)
+  policy = jax.checkpoint_policies.save_only_these_names("jaxcp_attention_gathered")
+  for remat in (jax.checkpoint, functools.partial(jax.checkpoint, policy=policy)):
+    _check(jax.jit(_fwd_bwd(placement, MASKS["causal"], remat=remat))(*args), want)
+  # vmap over a leading axis of two copies of the batch.
+  stack = lambda xs: [jnp.stack([x, x]) for x in xs]
+  got = jax.jit(jax.vmap(_fwd_bwd(placement, MASKS["causal"])))(*stack(args))
+  for g in got:
+    np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(g[1]))
+  _check([g[0] for g in got], want)
 
 
 def test_all_shared_rows_take_balanced_blocks(cpu_devices):
@@ -251,13 +306,14 @@ def test_all_shared_rows_take_balanced_blocks(cpu_devices):
   _check(got, jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 
 
-@pytest.mark.parametrize("shared", [0, 8, 16])
-def test_shard_map_placement(cpu_devices, shared):
+@pytest.mark.parametrize("shared,keep", [(0, False), (8, False), (16, False), (8, True), (16, True)])
+def test_shard_map_placement(cpu_devices, shared, keep):
   """Inside shard_map with context_parallel_axis: every shared size, 0 (no exchange at all) to the
-  whole shard."""
+  whole shard, with the forward's gathered K/V kept for the backward (a placement that names its
+  ranks) or gathered again."""
   seg = _rows()
   pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
-  placement = jaxcp.DocumentPlacement(shared)
+  placement = jaxcp.DocumentPlacement(shared, cp_size=4 if keep else None)
   perm, _, evicted = place_rows(seg, 4, placement, evict=True)
   seg, pos = np.where(evicted, 0, seg), np.where(evicted, 0, pos)
   arrays = [jaxcp.load_balance(jnp.asarray(x), 4, strategy=perm) for x in (*_qkv(3), seg, pos)]
@@ -268,12 +324,13 @@ def test_shard_map_placement(cpu_devices, shared):
   lowered = f.lower(*arrays)
   text = lowered.compile().as_text()
   assert ("all-gather" in text) == (shared > 0)
-  # K, V, segment ids and positions travel packed (one all-gather per direction, one all-to-all
-  # for dK/dV), and where there is a local part two optimization barriers per direction hold it
-  # between the gather's start and done.
+  # K, V, segment ids and positions travel packed (one all-gather per direction, or only the
+  # forward's when it keeps them; one all-to-all for dK/dV), and where there is a local part two
+  # optimization barriers per direction hold it inside the exchange (the gather's start and done,
+  # or with kept K/V the backward's all-to-all).
   count = lambda op: len(re.findall(rf"stablehlo\.{op}\b", lowered.as_text()))
   has_local, has_shared = shared < S // 4, shared > 0
-  assert count("all_gather") == (2 if has_shared else 0)
+  assert count("all_gather") == ((1 if keep else 2) if has_shared else 0)
   assert count("all_to_all") == (1 if has_shared else 0)
   assert count("optimization_barrier") == (4 if has_local and has_shared else 0)
   _check(f(*arrays), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))

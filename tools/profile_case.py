@@ -8,7 +8,9 @@
 Several cases time one after another in one process (one JAX start).
 
 Cases: `ss:<name>` picks from the small-seq shorthands below, `att:<name>` a case of
-benchmarks/bench_attention.py by its name. `--time` prints the median time per call as well.
+benchmarks/bench_attention.py by its name. `--time` prints the median time per call as well;
+`--fa3` runs FlashAttention-3 (its varlen form, benchmarks/fa3_peer.py) on an `att:` case instead
+of jaxcp, so that ncu can read both kernels on the same problem.
 """
 import argparse
 import dataclasses
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_attention as ba  # noqa: E402
 import bench_small_seq as bs  # noqa: E402
 import common  # noqa: E402
+import fa3_peer  # noqa: E402
 
 import jaxcp  # noqa: E402
 
@@ -66,7 +69,7 @@ def attention_case(name):
   return case, ba.case_rows(case)
 
 
-def attention_fn(name, backward):
+def attention_fn(name, backward, fa3=False):
   deterministic = name.endswith("+det")
   case, rows = attention_case(name.removesuffix("+det"))
   seg, pos = common.segments_and_positions(rows, case.seq_len)
@@ -77,6 +80,13 @@ def attention_fn(name, backward):
   k = jax.random.normal(jax.random.fold_in(key, 1), kv_shape, jnp.bfloat16)
   v = jax.random.normal(jax.random.fold_in(key, 2), kv_shape[:3] + (dv,), jnp.bfloat16)
   f = ba._jaxcp(case, seg, pos, deterministic=deterministic)
+  if fa3:
+    varlen, info = fa3_peer.load()
+    reason = info.get("absent") or fa3_peer.unsupported(case.head_dim, case.v_head_dim, case.chunk)
+    if reason:
+      sys.exit(f"FlashAttention-3 cannot run {name}: {reason}")
+    window = (case.window - 1, 0) if case.window else None
+    f = fa3_peer.packed_fn(varlen, rows, case.seq_len, scale=case.head_dim ** -0.5, causal=True, window=window)
   if backward:
     do = jax.random.normal(jax.random.fold_in(key, 3), q.shape[:3] + (dv,), jnp.bfloat16)
     return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), (q, k, v, do)
@@ -90,15 +100,16 @@ def main():
   ap.add_argument("--both", action="store_true", help="forward, then forward+backward")
   ap.add_argument("--reps", type=int, default=4)
   ap.add_argument("--time", action="store_true")
+  ap.add_argument("--fa3", action="store_true", help="FlashAttention-3 instead of jaxcp (att: cases)")
   a = ap.parse_args()
   for case in a.case:
     for backward in ([False, True] if a.both else [a.bwd]):
-      run_case(case, backward, a.reps, a.time)
+      run_case(case, backward, a.reps, a.time, a.fa3)
 
 
-def run_case(spec, backward, reps, timed):
+def run_case(spec, backward, reps, timed, fa3=False):
   kind, name = spec.split(":", 1)
-  fn, args = (small_seq_fn if kind == "ss" else attention_fn)(name, backward)
+  fn, args = small_seq_fn(name, backward) if kind == "ss" else attention_fn(name, backward, fa3)
   for _ in range(reps):
     jax.block_until_ready(fn(*args))
   if timed:
@@ -111,7 +122,7 @@ def run_case(spec, backward, reps, timed):
       dv = case.v_head_dim or case.head_dim
       flops = 2 * (case.head_dim + dv) * case.q_heads * pairs * (3.5 if backward else 1)
       extra = f" {flops / t / 1e12:.0f} TFLOP/s"
-    print(f"{spec}{' fwd+bwd' if backward else ''}: {t * 1e3:.3f} ms{extra}", flush=True)
+    print(f"{spec}{' (FA3)' if fa3 else ''}{' fwd+bwd' if backward else ''}: {t * 1e3:.3f} ms{extra}", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,24 +32,28 @@ def _cp_inside_shard_map(config, k, q):
   cp_size = compat.axis_size(axis)
   strategy = cp_lib.choose_strategy(config.context_parallel, cp_size, q.shape[1], k.shape[1],
                                     q.shape[2], k.shape[2])
-  return strategy, axis, cp_size, dataclasses.replace(config, context_parallel_axis=None)
+  # The per-shard kernel calls inside run no context parallelism of their own.
+  inner = dataclasses.replace(config, context_parallel_axis=None, context_parallel="all_gather")
+  return strategy, axis, cp_size, inner
 
 
 def _forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config):
+  """(out, lse, kept): kept, what a DocumentPlacement's forward gathered for the backward, or ()."""
   if config.context_parallel_axis is None:
-    return tuple(attention_fwd_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config))
+    out, lse, *kept = attention_fwd_p.bind(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config)
+    return out, lse, tuple(kept)
   strategy, axis, cp_size, inner = _cp_inside_shard_map(config, k, q)
   local = lambda *a: tuple(attention_fwd_p.bind(*a, config=inner))
   return cp_lib.cp_fwd(strategy, local, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos)
 
 
-def _backward(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config):
+def _backward(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, kept, config):
   args = (q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos)
   if config.context_parallel_axis is None:
-    return tuple(attention_bwd_p.bind(*args, config=config))
+    return tuple(attention_bwd_p.bind(*args, *kept, config=config))
   strategy, axis, cp_size, inner = _cp_inside_shard_map(config, k, q)
   local = lambda *a: tuple(attention_bwd_p.bind(*a, config=inner))
-  return cp_lib.cp_bwd(strategy, local, axis, cp_size, *args)
+  return cp_lib.cp_bwd(strategy, local, axis, cp_size, *args, kept=kept)
 
 
 # widths: ((head dim, value head dim) of the forward kernels, (the same) of the backward's), from
@@ -57,33 +61,38 @@ def _backward(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, confi
 # the value head dim, and the results sliced back.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _kernel_attention(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths):
-  return _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths[0])
+  return _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths[0])[:2]
 
 
 def _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, width):
+  """(out, lse, kept) of _forward around head dims padded to `width`; kept K/V stay padded."""
   w, wv = width
-  out, lse = _forward(_pad_head_dim(q, w), _pad_head_dim(k, w), _pad_head_dim(v, wv), q_seg, q_pos, kv_seg,
-                      kv_pos, config)
-  return _slice_head_dim(out, v.shape[-1]), lse
+  out, lse, kept = _forward(_pad_head_dim(q, w), _pad_head_dim(k, w), _pad_head_dim(v, wv), q_seg, q_pos, kv_seg,
+                            kv_pos, config)
+  return _slice_head_dim(out, v.shape[-1]), lse, kept
 
 
 def _kernel_attention_fwd(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths):
-  out, lse = _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths[0])
+  out, lse, kept = _padded_forward(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config, widths[0])
   # Named residuals: a remat policy that saves these two skips rerunning the forward kernel.
   out = checkpoint_name(out, "jaxcp_attention_out")
   lse = checkpoint_name(lse, "jaxcp_attention_lse")
-  return (out, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse)
+  kept = tuple(checkpoint_name(x, "jaxcp_attention_gathered") for x in kept)
+  return (out, lse), (q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse, kept)
 
 
 def _kernel_attention_bwd(config, widths, residuals, cotangents):
-  q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse = residuals
+  q, k, v, q_seg, q_pos, kv_seg, kv_pos, out, lse, kept = residuals
   dout, dlse = cotangents
   # O's padded columns are zeros (those of V are), so O re-padded is the kernel's O.
   w, wv = widths[1]
   qp, kp = (_pad_head_dim(x, w) for x in (q, k))
   vp, outp, doutp = (_pad_head_dim(x, wv) for x in (v, out, dout.astype(out.dtype)))
+  if kept:  # padded for the forward's kernels: re-padded for the backward's
+    kept = (_pad_head_dim(_slice_head_dim(kept[0], k.shape[-1]), w),
+            _pad_head_dim(_slice_head_dim(kept[1], v.shape[-1]), wv), *kept[2:])
   dq, dk, dv = _backward(qp, kp, vp, outp, lse, doutp, dlse.astype(jnp.float32), q_seg, q_pos, kv_seg, kv_pos,
-                         config)
+                         kept, config)
   dq, dk, dv = (_slice_head_dim(g, x.shape[-1]) for g, x in ((dq, q), (dk, k), (dv, v)))
   return dq, dk, dv, None, None, None, None
 

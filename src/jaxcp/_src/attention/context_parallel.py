@@ -38,6 +38,7 @@ def choose_strategy(strategy, cp_size: int, local_q_len: int, local_kv_len: int,
   """Resolves "auto" to "all_gather" or "ring" (see the constants above); a DocumentPlacement
   stays, once checked against the local shard."""
   if isinstance(strategy, DocumentPlacement):
+    strategy.check_cp_size(cp_size, "the context-parallel mesh axis size")
     if local_q_len != local_kv_len:
       raise ValueError(f"context_parallel=DocumentPlacement(...) places the tokens of one row for self attention; "
                        f"the query and key/value shards differ ({local_q_len} and {local_kv_len} tokens). Use "
@@ -175,19 +176,51 @@ def _regions(placement: DocumentPlacement, shard_len: int):
   return shard_len - shared, shared
 
 
-def _gather_while(axis, xs, run_local, local_args):
-  """`_gather(axis, xs)` in flight while `run_local(*local_args)` runs; returns both results.
+def keeps_gathered(strategy) -> bool:
+  """True when the forward returns the shared K/V it gathered (and the token arrays that go with
+  them) for the backward: a DocumentPlacement with a shared region that knows its ranks."""
+  return (isinstance(strategy, DocumentPlacement) and strategy.shared_tokens > 0
+          and strategy.cp_size is not None and strategy.cp_size > 1)
+
+
+def gathered_shapes(placement: DocumentPlacement, k, v):
+  """Shapes of what keeps_gathered keeps: K, V, segment ids and positions of cp * R key tokens."""
+  b, _, hkv, d = k.shape
+  n = placement.cp_size * placement.shared_tokens
+  return (b, n, hkv, d), (b, n, hkv, v.shape[3]), (b, n), (b, n)
+
+
+def shared_of_row(placement: DocumentPlacement, k, v, kv_seg, kv_pos):
+  """What the ranks' all-gather of their shared regions gives, taken from an unsharded row (every
+  rank's last R of its S / cp tokens, in rank order)."""
+  cp, r = placement.cp_size, placement.shared_tokens
+
+  def take(x):
+    b, s, *rest = x.shape
+    return x.reshape(b, cp, s // cp, *rest)[:, :, s // cp - r:].reshape(b, cp * r, *rest)
+
+  return tuple(take(x) for x in (k, v, kv_seg, kv_pos))
+
+
+def _overlapped(collective, moved, run_local, local_args):
+  """`collective(moved)` in flight while `run_local(*local_args)` runs; returns both results.
 
   XLA starts an async collective right after its operands and waits for it right before its
   first user. Optimization barriers pin both ends: the collective's operand passes one barrier
   with the local kernel's arguments (whole arrays: run_local slices them, and a slice that feeds a
   kernel directly is an address, not a copy), and its raw result a second one with the kernel's
   outputs."""
-  moved, unpack = _pack(xs)
   moved, local_args = jax.lax.optimization_barrier((moved, local_args))
-  gathered = _all_gather(axis, moved)
+  arrived = collective(moved)
   local = run_local(*local_args)
-  local, gathered = jax.lax.optimization_barrier((local, gathered))
+  local, arrived = jax.lax.optimization_barrier((local, arrived))
+  return local, arrived
+
+
+def _gather_while(axis, xs, run_local, local_args):
+  """`_gather(axis, xs)` while `run_local(*local_args)` runs (see _overlapped)."""
+  moved, unpack = _pack(xs)
+  local, gathered = _overlapped(lambda m: _all_gather(axis, m), moved, run_local, local_args)
   return local, unpack(gathered)
 
 
@@ -199,27 +232,34 @@ def _shared_kv(c, k, v, kv_seg, kv_pos):
 def placed_fwd(placement, local_fwd, axis, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """Local queries against local keys (no communication); shared queries against the shared
   keys of every rank, the only exchange, in flight while the local kernel runs. Two independent
-  problems: no merge."""
+  problems: no merge. Returns (out, lse, kept): kept is the gathered shared K/V and their token
+  arrays when keeps_gathered(placement), else ()."""
   c, r = _regions(placement, q.shape[1])
   args = (q, k, v, q_seg, q_pos, kv_seg, kv_pos)
   run_local = lambda *a: local_fwd(*(x[:, :c] for x in a))
   if not r:
-    return run_local(*args)
+    return (*run_local(*args), ())
   shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
   if c:
-    local_out, (kg, vg, seg_g, pos_g) = _gather_while(axis, shared_kv, run_local, args)
+    local_out, gathered = _gather_while(axis, shared_kv, run_local, args)
   else:
-    kg, vg, seg_g, pos_g = _gather(axis, shared_kv)
-  shared_out = local_fwd(q[:, c:], kg, vg, q_seg[:, c:], q_pos[:, c:], seg_g, pos_g)
+    gathered = _gather(axis, shared_kv)
+  shared_out = local_fwd(q[:, c:], *gathered[:2], q_seg[:, c:], q_pos[:, c:], *gathered[2:])
+  kept = tuple(gathered) if keeps_gathered(placement) else ()
   if not c:
-    return shared_out
+    return (*shared_out, kept)
   return (jnp.concatenate([local_out[0], shared_out[0]], axis=1),
-          jnp.concatenate([local_out[1], shared_out[1]], axis=2))
+          jnp.concatenate([local_out[1], shared_out[1]], axis=2), kept)
 
 
-def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos):
-  """Gradients of placed_fwd: the shared keys gathered again (memory stays O(local)) while the
-  local backward runs, and only their dK/dV summed over the ranks."""
+def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos,
+               kept=()):
+  """Gradients of placed_fwd; only the shared keys' dK/dV are summed over the ranks.
+
+  With the forward's gathered shared K/V (kept), the shared part runs first and its dK/dV
+  all-to-all is in flight while the local part runs: no exchange waits. Without them, the shared
+  keys are gathered again (memory stays O(local)) while the local part runs, and the all-to-all
+  follows the shared part."""
   c, r = _regions(placement, q.shape[1])
   n = q.shape[1]
 
@@ -242,16 +282,40 @@ def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dls
   args = (*per_query, k, v, kv_seg, kv_pos)
   if not r:
     return run_local(*args)
-  shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
-  if c:
-    local_grads, gathered = _gather_while(axis, shared_kv, run_local, args)
+  if kept:
+    dq_shared, dkg, dvg = run(query_args(c, n, *per_query), *kept)
+    blocks, finish = _scatter_parts(cp_size, (dkg, dvg))
+    if not c:
+      return (dq_shared, *finish(_all_to_all(axis, blocks)))
+    local_grads, arrived = _overlapped(lambda m: _all_to_all(axis, m), blocks, run_local, args)
+    shared_grads = (dq_shared, *finish(arrived))
   else:
-    gathered = _gather(axis, shared_kv)
-  dq, dkg, dvg = run(query_args(c, n, *per_query), *gathered)
-  shared_grads = (dq, *_sum_scatter(axis, cp_size, (dkg, dvg)))
-  if not c:
-    return shared_grads
+    shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
+    if c:
+      local_grads, gathered = _gather_while(axis, shared_kv, run_local, args)
+    else:
+      gathered = _gather(axis, shared_kv)
+    dq, dkg, dvg = run(query_args(c, n, *per_query), *gathered)
+    shared_grads = (dq, *_sum_scatter(axis, cp_size, (dkg, dvg)))
+    if not c:
+      return shared_grads
   return tuple(jnp.concatenate(pair, axis=1) for pair in zip(local_grads, shared_grads))
+
+
+def _scatter_parts(cp_size, xs):
+  """The all-to-all of _sum_scatter in two halves: (the blocks to send, the function that sums
+  the blocks that arrive)."""
+  moved, unpack = _pack(xs, as_bits=False)
+  blocks = tuple(x.reshape(x.shape[0], cp_size, x.shape[1] // cp_size, *x.shape[2:]) for x in moved)
+
+  def finish(arrived):  # block j: from rank j
+    return unpack(tuple(jnp.sum(m.astype(jnp.float32), axis=1).astype(m.dtype) for m in arrived))
+
+  return blocks, finish
+
+
+def _all_to_all(axis, blocks):
+  return tuple(jax.lax.all_to_all(b, axis, split_axis=1, concat_axis=1, tiled=True) for b in blocks)
 
 
 def _sum_scatter(axis, cp_size, xs):
@@ -259,31 +323,25 @@ def _sum_scatter(axis, cp_size, xs):
   j) and keeps this rank's blocks. The partials travel in their own dtype, packed into one
   all-to-all (in bfloat16, half the bytes of a float32 reduce-scatter), and are summed here in
   float32."""
-  moved, unpack = _pack(xs, as_bits=False)
-
-  def own_blocks(x):
-    b, n, *rest = x.shape
-    blocks = x.reshape(b, cp_size, n // cp_size, *rest)
-    mine = jax.lax.all_to_all(blocks, axis, split_axis=1, concat_axis=1, tiled=True)  # block j: from rank j
-    return jnp.sum(mine.astype(jnp.float32), axis=1).astype(x.dtype)
-
-  return unpack(tuple(own_blocks(x) for x in moved))
+  blocks, finish = _scatter_parts(cp_size, xs)
+  return finish(_all_to_all(axis, blocks))
 
 
 # ---------------------------------------------------------------- dispatch
 
 
 def cp_fwd(strategy, local_fwd, axis, cp_size, *args):
+  """(out, lse, kept): kept as placed_fwd's, () for the other strategies."""
   if isinstance(strategy, DocumentPlacement):
     return placed_fwd(strategy, local_fwd, axis, *args)
   if strategy == "ring":
-    return ring_fwd(local_fwd, axis, cp_size, *args)
-  return all_gather_fwd(local_fwd, axis, *args)
+    return (*ring_fwd(local_fwd, axis, cp_size, *args), ())
+  return (*all_gather_fwd(local_fwd, axis, *args), ())
 
 
-def cp_bwd(strategy, local_bwd, axis, cp_size, *args):
+def cp_bwd(strategy, local_bwd, axis, cp_size, *args, kept=()):
   if isinstance(strategy, DocumentPlacement):
-    return placed_bwd(strategy, local_bwd, axis, cp_size, *args)
+    return placed_bwd(strategy, local_bwd, axis, cp_size, *args, kept=kept)
   if strategy == "ring":
     return ring_bwd(local_bwd, axis, cp_size, *args)
   return all_gather_bwd(local_bwd, axis, cp_size, *args)

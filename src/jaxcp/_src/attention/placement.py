@@ -67,11 +67,17 @@ class DocumentPlacement:
       ``token_cost * L + pair_cost * L**2``.
     tolerance: how far above the mean the costliest rank may be before more segments are
       moved to the shared region (when R leaves room).
+    cp_size: the context-parallel ranks the layout is for (choose_placement sets it), or None.
+      With it, the forward keeps the shared keys and values it gathered (cp * R tokens per rank)
+      for the backward, which then needs no gather of its own and overlaps its only exchange
+      (the shared dK/dV) with the local part; without it (and outside jax.shard_map, where the
+      ranks are known anyway) the backward gathers them again and keeps memory O(S / cp).
   """
   shared_tokens: int
   token_cost: float = DEFAULT_TOKEN_COST
   pair_cost: float = DEFAULT_PAIR_COST
   tolerance: float = DEFAULT_TOLERANCE
+  cp_size: int | None = None
 
   def __post_init__(self):
     r = self.shared_tokens
@@ -79,6 +85,12 @@ class DocumentPlacement:
       raise ValueError(f"DocumentPlacement: shared_tokens must be an int >= 0 (tokens per rank in the "
                        f"shared region), got {r!r}.")
     object.__setattr__(self, "shared_tokens", int(r))
+    cp = self.cp_size
+    if cp is not None:
+      if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1:
+        raise ValueError(f"DocumentPlacement: cp_size must be an int >= 1 (the context-parallel ranks) or None, "
+                         f"got {cp!r}.")
+      object.__setattr__(self, "cp_size", int(cp))
     for name in ("token_cost", "pair_cost", "tolerance"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value < 0:
@@ -86,6 +98,12 @@ class DocumentPlacement:
       object.__setattr__(self, name, float(value))
     if self.token_cost == 0 and self.pair_cost == 0:
       raise ValueError("DocumentPlacement: token_cost and pair_cost cannot both be 0.")
+
+  def check_cp_size(self, cp: int, where: str = "cp_size") -> None:
+    """ValueError unless the layout is for cp ranks (or says nothing about its ranks)."""
+    if self.cp_size is not None and self.cp_size != cp:
+      raise ValueError(f"DocumentPlacement(cp_size={self.cp_size}) lays rows out for {self.cp_size} ranks, but "
+                       f"{where} is {cp}; choose the placement for {cp} ranks (jaxcp.choose_placement(..., {cp})).")
 
   def local_tokens(self, seq_len: int, cp: int) -> int:
     """Tokens per rank in the local region, S / cp - R; raises if R does not fit."""
@@ -340,6 +358,7 @@ def placement_permutation(segment_ids, cp_size: int, placement: DocumentPlacemen
   numpy computation through jax.pure_callback. See load_balance_permutation."""
   cp = check_cp_size(cp_size)
   _check_segments(segment_ids, cp)
+  placement.check_cp_size(cp)
   placement.local_tokens(segment_ids.shape[-1], cp)
   if isinstance(segment_ids, (np.ndarray, np.generic)):
     return place_rows(np.asarray(segment_ids), cp, placement)[0]
@@ -407,7 +426,7 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
   real_tokens = max(int((seg != 0).sum()), 1)
   best = None
   for r in sizes:
-    placement = DocumentPlacement(r, token_cost, pair_cost, tolerance)
+    placement = DocumentPlacement(r, token_cost, pair_cost, tolerance, cp_size=cp)
     assigned = [_row_assignment(g, cp, placement, evict, s) if cp > 1 else (np.zeros(g.length.size, np.int64), 1.0)
                 for g in segments]
     if any(a is None for a in assigned):

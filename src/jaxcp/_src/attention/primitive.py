@@ -19,6 +19,7 @@ from .. import compat, cuda_capabilities
 from ..kernel_options import AttentionKernelOptions
 from ..mask_spec import MaskSpec
 from ..primitive_utils import make_primitive, register_ffi_lowering
+from .context_parallel import gathered_shapes, keeps_gathered
 
 FWD_TARGET = "jaxcp_attention_fwd"
 BWD_TARGET = "jaxcp_attention_bwd"
@@ -124,8 +125,28 @@ def bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, conf
 
 # ---------------------------------------------------------------- public-facing primitives
 
-attention_fwd_p = make_primitive("jaxcp_attention_fwd", _fwd_abstract)
-attention_bwd_p = make_primitive("jaxcp_attention_bwd", _bwd_abstract)
+
+def _fwd_public_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, config):
+  """(out, lse), then, for a DocumentPlacement that keeps what its forward gathered
+  (context_parallel.keeps_gathered), the gathered shared K, V, segment ids and positions: the
+  same on every rank (replicated over the context-parallel axis)."""
+  outs = _fwd_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config)
+  if not keeps_gathered(config.context_parallel):
+    return outs
+  kg, vg, seg_g, pos_g = gathered_shapes(config.context_parallel, k, v)
+  return outs + (compat.derived_aval(k, kg, k.dtype, (0, None, 2, 3)),
+                 compat.derived_aval(v, vg, v.dtype, (0, None, 2, 3)),
+                 compat.derived_aval(kv_seg, seg_g, kv_seg.dtype, (0, None)),
+                 compat.derived_aval(kv_pos, pos_g, kv_pos.dtype, (0, None)))
+
+
+def _bwd_public_abstract(*args, config):
+  """(dq, dk, dv); the forward's kept arrays, when it kept any, come after the usual operands."""
+  return _bwd_abstract(*args[:11], config=config)
+
+
+attention_fwd_p = make_primitive("jaxcp_attention_fwd", _fwd_public_abstract)
+attention_bwd_p = make_primitive("jaxcp_attention_bwd", _bwd_public_abstract)
 
 
 def _fold_batch(x, dim, n):

@@ -25,9 +25,13 @@ from ..primitive_utils import mesh_axis_size, spec_of
 from . import context_parallel
 from .primitive import attention_bwd_p, attention_fwd_p, bwd_kernel, fwd_kernel
 
-# Argument positions.
-_FWD_SEQ_ARGS = 7   # q, k, v, q_seg, q_pos, kv_seg, kv_pos
-_BWD_ARGS = 11      # q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos
+# The partitioned functions take the config first (static), then the arrays: the forward's
+#   q, k, v, q_seg, q_pos, kv_seg, kv_pos
+# and the backward's
+#   q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos[, the forward's kept arrays]
+# where a DocumentPlacement keeps what its forward gathered (context_parallel.keeps_gathered):
+# the forward returns them after (out, lse), replicated over the context-parallel axis.
+_BWD_ARGS = 11
 
 
 def _axis_index(axes):
@@ -109,16 +113,37 @@ def _kv_head_slicer(layout: Layout, hq: int, n_heads: int):
   return head_index
 
 
-def _fwd_shardings(layout):
+def _kept_shardings(layout, keep):
+  """Of the forward's kept arrays: every rank holds all of them (no sequence sharding)."""
+  if not keep:
+    return ()
+  kv, tok = P(layout.batch, None, layout.kv_heads, None), P(layout.batch, None)
+  return (kv, kv, tok, tok)
+
+
+def _fwd_shardings(layout, keep):
   args = (layout.q4(), layout.kv4(), layout.kv4(), layout.q_tok(), layout.q_tok(),
           layout.kv_tok(), layout.kv_tok())
-  return args, (layout.q4(), layout.lse())
+  return args, (layout.q4(), layout.lse(), *_kept_shardings(layout, keep))
 
 
-def _bwd_shardings(layout):
+def _bwd_shardings(layout, keep):
   args = (layout.q4(), layout.kv4(), layout.kv4(), layout.q4(), layout.lse(), layout.q4(),
-          layout.lse(), layout.q_tok(), layout.q_tok(), layout.kv_tok(), layout.kv_tok())
+          layout.lse(), layout.q_tok(), layout.q_tok(), layout.kv_tok(), layout.kv_tok(),
+          *_kept_shardings(layout, keep))
   return args, (layout.q4(), layout.kv4(), layout.kv4())
+
+
+def _keeps(config):
+  return context_parallel.keeps_gathered(config.context_parallel)
+
+
+def _with_head(x, h, like_heads):
+  """A one-kv-head array (this shard's head h) inside zeros of all heads: the kept arrays are
+  declared with every kv head where shards slice theirs out of replicated K/V; the backward reads
+  head h back only."""
+  full = jnp.zeros(x.shape[:2] + (like_heads,) + x.shape[3:], x.dtype)
+  return jax.lax.dynamic_update_slice_in_dim(full, x, h, axis=2)
 
 
 def _named(mesh, specs):
@@ -128,64 +153,91 @@ def _named(mesh, specs):
 # ---------------------------------------------------------------- forward
 
 
+def _fwd_unpartitioned(config, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+  """The forward on whole arrays: (out, lse), and what a placement keeps, taken from the row."""
+  out, lse = fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
+  if not _keeps(config):
+    return out, lse
+  return (out, lse, *context_parallel.shared_of_row(config.context_parallel, k, v, kv_seg, kv_pos))
+
+
 def _fwd_infer(config, mesh, arg_shapes, result_shape):
   layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
-  return _named(mesh, _fwd_shardings(layout)[1])
+  return _named(mesh, _fwd_shardings(layout, _keeps(config))[1])
 
 
 def _fwd_partition(config, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   layout = choose_layout(mesh, q, k)
-  arg_specs, out_specs = _fwd_shardings(layout)
+  keep = _keeps(config)
+  arg_specs, out_specs = _fwd_shardings(layout, keep)
   head_index = _kv_head_slicer(layout, q.shape[2], mesh_axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
   local = lambda *a: fwd_kernel(*a, config)
 
   def lower(q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+    if plan is None:
+      kept = context_parallel.shared_of_row(config.context_parallel, k, v, kv_seg, kv_pos) if keep else ()
+    k_all, v_all = k, v
     if head_index is not None:
       h = head_index(k.shape[2])
       k, v = (jax.lax.dynamic_slice_in_dim(x, h, 1, axis=2) for x in (k, v))
     if plan is None:
-      return local(q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+      return (*local(q, k, v, q_seg, q_pos, kv_seg, kv_pos), *kept)
     strategy, cp_size = plan
-    return context_parallel.cp_fwd(strategy, local, layout.kv_seq, cp_size,
-                                   q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+    out, lse, kept = context_parallel.cp_fwd(strategy, local, layout.kv_seq, cp_size,
+                                             q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+    if kept and head_index is not None:
+      kept = (_with_head(kept[0], h, k_all.shape[2]), _with_head(kept[1], h, v_all.shape[2]), *kept[2:])
+    return (out, lse, *kept)
 
   return mesh, lower, _named(mesh, out_specs), _named(mesh, arg_specs)
 
 
+_KEPT_FACTORS = ", b u g d, b u g e, b u, b u"  # u: the gathered shared tokens
+
+
 def _fwd_rule(config, mesh, value_types, result_types):
-  return "b s h d, b t g d, b t g e, b s, b s, b t, b t -> b s h e, b h s"  # e: V's head dim
+  rule = "b s h d, b t g d, b t g e, b s, b s, b t, b t -> b s h e, b h s"  # e: V's head dim
+  return rule + (_KEPT_FACTORS if _keeps(config) else "")
 
 
 # ---------------------------------------------------------------- backward
 
 
+def _bwd_unpartitioned(config, *args):
+  """The backward on whole arrays (the forward's kept arrays, if any, are not needed)."""
+  return bwd_kernel(*args[:_BWD_ARGS], config)
+
+
 def _bwd_infer(config, mesh, arg_shapes, result_shape):
   layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
-  return _named(mesh, _bwd_shardings(layout)[1])
+  return _named(mesh, _bwd_shardings(layout, _keeps(config))[1])
 
 
 def _bwd_partition(config, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   layout = choose_layout(mesh, q, k)
-  arg_specs, out_specs = _bwd_shardings(layout)
+  arg_specs, out_specs = _bwd_shardings(layout, _keeps(config))
   head_index = _kv_head_slicer(layout, q.shape[2], mesh_axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
   local = lambda *a: bwd_kernel(*a, config)
 
-  def grads(q, k, v, *rest):
+  def grads(q, k, v, *rest, kept=()):
     if plan is None:
       return local(q, k, v, *rest)
     strategy, cp_size = plan
-    return context_parallel.cp_bwd(strategy, local, layout.kv_seq, cp_size, q, k, v, *rest)
+    return context_parallel.cp_bwd(strategy, local, layout.kv_seq, cp_size, q, k, v, *rest, kept=kept)
 
   def lower(q, k, v, *rest):
+    rest, kept = rest[:_BWD_ARGS - 3], rest[_BWD_ARGS - 3:]
     if head_index is None:
-      return grads(q, k, v, *rest)
+      return grads(q, k, v, *rest, kept=kept)
     h = head_index(k.shape[2])
     k1, v1 = (jax.lax.dynamic_slice_in_dim(x, h, 1, axis=2) for x in (k, v))
-    dq, dk1, dv1 = grads(q, k1, v1, *rest)
+    if kept:
+      kept = (*(jax.lax.dynamic_slice_in_dim(x, h, 1, axis=2) for x in kept[:2]), *kept[2:])
+    dq, dk1, dv1 = grads(q, k1, v1, *rest, kept=kept)
     # Several shards share this kv head: place the partial gradient and sum over the head axis.
     def place(g, like):
       full = jax.lax.dynamic_update_slice_in_dim(
@@ -197,26 +249,26 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
 
 
 def _bwd_rule(config, mesh, value_types, result_types):
-  return ("b s h d, b t g d, b t g e, b s h e, b h s, b s h e, b h s, b s, b s, b t, b t"
-          " -> b s h d, b t g d, b t g e")
+  operands = "b s h d, b t g d, b t g e, b s h e, b h s, b s h e, b h s, b s, b s, b t, b t"
+  return operands + (_KEPT_FACTORS if _keeps(config) else "") + " -> b s h d, b t g d, b t g e"
 
 
 # ---------------------------------------------------------------- wiring
 
-_fwd_cp = compat.custom_partitioning(fwd_kernel, static_argnums=(_FWD_SEQ_ARGS,))
+_fwd_cp = compat.custom_partitioning(_fwd_unpartitioned, static_argnums=(0,))
 _fwd_cp.def_partition(partition=_fwd_partition, infer_sharding_from_operands=_fwd_infer,
                       sharding_rule=_fwd_rule)
-_bwd_cp = compat.custom_partitioning(bwd_kernel, static_argnums=(_BWD_ARGS,))
+_bwd_cp = compat.custom_partitioning(_bwd_unpartitioned, static_argnums=(0,))
 _bwd_cp.def_partition(partition=_bwd_partition, infer_sharding_from_operands=_bwd_infer,
                       sharding_rule=_bwd_rule)
 
 
 def _partitioned_fwd(*args, config):
-  return _fwd_cp(*args, config)
+  return _fwd_cp(config, *args)
 
 
 def _partitioned_bwd(*args, config):
-  return _bwd_cp(*args, config)
+  return _bwd_cp(config, *args)
 
 
 compat.mlir.register_lowering(attention_fwd_p, compat.mlir.lower_fun(_partitioned_fwd, multiple_results=True))

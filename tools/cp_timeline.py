@@ -1,0 +1,118 @@
+"""The GPU timeline of one context-parallel forward+backward step (bench_cp.py's problem), through
+jax.profiler: every kernel, copy and collective that rank 0 ran in the last step, per stream, with
+its start, duration and the compute stream's idle gaps, then a summary by kind. It shows what the
+exposed communication of bench_cp.py is made of.
+
+  python3 tools/cp_timeline.py 131072:doc2k:32/8 --gpus 4 [--strategy placement|all_gather|ring]
+"""
+import argparse
+import collections
+import glob
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.profiler import ProfileData
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench_cp  # noqa: E402
+import doc_mixes  # noqa: E402
+
+import jaxcp  # noqa: E402
+
+
+def step_fn(case, gpus, strategy, cost):
+  seq_len, mix, heads = case.split(":")
+  seq_len, (hq, hkv) = int(seq_len), (int(h) for h in heads.split("/"))
+  seg = doc_mixes.packed_row(np.random.default_rng(0), seq_len, mix)[None]
+  seg, _ = doc_mixes.placeable(seg, gpus, **cost)
+  pos = doc_mixes.positions(seg)
+  if strategy == "placement":
+    context_parallel, perm, _ = jaxcp.choose_placement(seg, gpus, **cost)
+    print(f"placement: R = {context_parallel.shared_tokens} of {seq_len // gpus} tokens per rank")
+  else:
+    context_parallel = strategy
+    perm = jaxcp.load_balance_permutation(seg, gpus, strategy=bench_cp.STRATEGIES[strategy])
+  key = jax.random.PRNGKey(0)
+  shapes = [(1, seq_len, hq, bench_cp.D), (1, seq_len, hkv, bench_cp.D), (1, seq_len, hkv, bench_cp.D),
+            (1, seq_len, hq, bench_cp.D)]
+  arrays = [jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) for i, s in enumerate(shapes)]
+  arrays += [jnp.asarray(seg), jnp.asarray(pos)]
+  sh = NamedSharding(Mesh(np.array(jax.devices()[:gpus]), ("cp",)), P(None, "cp"))
+  args = [jax.device_put(jaxcp.load_balance(x, gpus, axis=1, strategy=perm), sh) for x in arrays]
+  return jax.jit(bench_cp._fwd_bwd(context_parallel)), args
+
+
+def rank0_events(trace_dir):
+  """(start ns, duration ns, name, stream) of every op GPU 0 ran."""
+  path = glob.glob(trace_dir + "/**/*.xplane.pb", recursive=True)[0]
+  events = []
+  for plane in ProfileData.from_file(path).planes:
+    if plane.name not in ("/device:GPU:0", "/device:GPU:0 "):
+      continue
+    for line in plane.lines:
+      if "stream" in line.name.lower():
+        events += [(e.start_ns, e.duration_ns, e.name, line.name) for e in line.events]
+  return sorted(events)
+
+
+def kind(name):
+  n = name.lower()
+  if "nccl" in n:
+    return "collective"
+  if "jaxcp" in n or "attention" in n or "bwd" in n or "fwd" in n or "plan" in n or "tile" in n:
+    return "attention kernels"
+  if "memcpy" in n or "memset" in n:
+    return "copies"
+  return "other XLA kernels"
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("case", help="S:MIX:HQ/HKV, e.g. 131072:doc2k:32/8")
+  ap.add_argument("--gpus", type=int, default=4)
+  ap.add_argument("--strategy", default="placement", choices=list(bench_cp.STRATEGIES))
+  ap.add_argument("--calibration", default=None, help="placement_calibration.json (default: built-in costs)")
+  a = ap.parse_args()
+  cost = {}
+  if a.calibration:
+    import json
+    with open(a.calibration) as f:
+      cal = json.load(f)
+    cost = dict(token_cost=cal["token_cost"], pair_cost=cal["pair_cost"])
+  fn, args = step_fn(a.case, a.gpus, a.strategy, cost)
+  for _ in range(3):
+    jax.block_until_ready(fn(*args))
+  trace_dir = tempfile.mkdtemp()
+  with jax.profiler.trace(trace_dir):
+    for _ in range(3):
+      jax.block_until_ready(fn(*args))
+  events = rank0_events(trace_dir)
+  if not events:
+    sys.exit("no GPU 0 events in the profile (a GPU host is needed)")
+  # The last step: from the last occurrence of the first step's first op.
+  first_name = events[0][2]
+  starts = [i for i, e in enumerate(events) if e[2] == first_name]
+  events = events[starts[-1]:]
+  t0 = events[0][0]
+  streams = {s: i for i, s in enumerate(sorted({e[3] for e in events}))}
+  end_by_stream = {}
+  by_kind = collections.Counter()
+  for start, dur, name, stream in events:
+    prev = end_by_stream.get(stream)
+    gap = (start - prev) / 1e3 if prev is not None else 0.0
+    end_by_stream[stream] = max(prev or 0, start + dur)
+    by_kind[kind(name)] += dur / 1e3
+    print(f"s{streams[stream]} t {(start - t0) / 1e3:9.1f} us  gap {gap:7.1f}  {dur / 1e3:8.1f} us  {name[:110]}")
+  span = (max(end_by_stream.values()) - t0) / 1e3
+  print(f"step span {span:.1f} us; streams: " + ", ".join(f"s{i} = {s}" for s, i in streams.items()))
+  for k, v in by_kind.most_common():
+    print(f"  {k}: {v:.1f} us ({v / span:.1%} of the span)")
+
+
+if __name__ == "__main__":
+  main()
