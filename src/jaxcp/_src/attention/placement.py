@@ -13,8 +13,9 @@ Attention on such a layout is two independent problems with no merge: local quer
 the local keys of their own rank (no communication) and shared queries against the shared keys
 of every rank (the only exchange: ``R`` tokens per rank). The placement of local segments
 balances a per-segment cost ``token_cost * L + pair_cost * L**2`` over the ranks (longest
-processing time first, under each rank's local capacity); the largest segments go to the shared
-region when that balances better or when they do not fit.
+processing time first, under each rank's local capacity, then moves and swaps off the costliest
+rank); the largest segments go to the shared region when that balances better or when they do
+not fit.
 
 The permutation is computed with numpy (an input pipeline's job), or under ``jax.jit`` through
 ``jax.pure_callback`` running the same numpy code. A row whose shared segments need more than
@@ -157,6 +158,7 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared
   shared; the rest go longest first to the cheapest rank with room (LPT); one that finds no room
   goes to the shared region if it has room left (the exchange moves R tokens per rank whether or
   not they are used, so filling it is free), else it is evicted (evict=True) or that k fails.
+  An assignment outside `tolerance` is then improved by _rebalance.
   Scored by the costliest rank over the mean, times the tokens of the row over those placed;
   the first k within `tolerance` on both counts wins, else the best score. None when no k fits.
   """
@@ -205,6 +207,8 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared
         break
     if not fits:
       continue
+    if (load.max() + shared_cost / cp) > (1.0 + tolerance) * (load.mean() + shared_cost / cp):
+      _rebalance(length, cost, rank, load, room)
     load += shared_cost / cp
     mean = load.mean()
     imbalance = float(load.max() / mean) if mean > 0 else 1.0
@@ -214,6 +218,52 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared
     if imbalance <= 1.0 + tolerance and total <= placed * (1.0 + tolerance):
       break
   return None if best is None else best[:2]
+
+
+def _rebalance(length: np.ndarray, cost: np.ndarray, rank: np.ndarray, load: np.ndarray, room: np.ndarray):
+  """Local search after the longest-first assignment (rank, load and room updated in place):
+  while some segment of the costliest rank can move to another rank, or trade places with a
+  cheaper segment there, so that the costliest of the two ends below it (room permitting), take
+  the move that lowers it most. Longest-first leaves a few percent that this recovers (lognormal
+  rows at 4 ranks: 2-3% above the mean down to 1.5-2%, often with no shared region at all)."""
+  cp = load.size
+  for _ in range(4 * max(rank.size, 1)):
+    m = int(np.argmax(load))
+    mine = np.flatnonzero(rank == m)
+    if not mine.size:
+      return
+    best_gain, best = 1e-9 * load[m], None
+    for r in range(cp):
+      if r == m:
+        continue
+      # Moves: segment d of m to r.
+      fit = length[mine] <= room[r]
+      gain = load[m] - np.maximum(load[m] - cost[mine], load[r] + cost[mine])
+      gain = np.where(fit, gain, -np.inf)
+      i = int(np.argmax(gain)) if gain.size else 0
+      if gain.size and gain[i] > best_gain:
+        best_gain, best = gain[i], (mine[i], None, r)
+      # Swaps: segment d of m for segment e of r.
+      theirs = np.flatnonzero(rank == r)
+      if not theirs.size:
+        continue
+      dc = cost[mine][:, None] - cost[theirs][None, :]
+      dl = length[mine][:, None] - length[theirs][None, :]
+      fit = (dl <= room[r]) & (-dl <= room[m]) & (dc > 0)
+      gain = load[m] - np.maximum(load[m] - dc, load[r] + dc)
+      gain = np.where(fit, gain, -np.inf)
+      i, j = np.unravel_index(int(np.argmax(gain)), gain.shape)
+      if gain[i, j] > best_gain:
+        best_gain, best = gain[i, j], (mine[i], theirs[j], r)
+    if best is None:
+      return
+    d, e, r = best
+    for g, src, dst in ((d, m, r),) + (((e, r, m),) if e is not None else ()):
+      rank[g] = dst
+      load[src] -= cost[g]
+      load[dst] += cost[g]
+      room[src] += length[g]
+      room[dst] -= length[g]
 
 
 def _zigzag_ranks(stream_seg: np.ndarray, cp: int) -> np.ndarray:
