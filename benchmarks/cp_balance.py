@@ -224,10 +224,12 @@ def placement_entry(seg: np.ndarray, cp: int) -> dict:
     work.append(w[0])
     shared.append(cp * placement.shared_tokens / s)
     left_out.append(float(evicted.sum()) / max(int((row != 0).sum()), 1))
+  sizes, counts = np.unique(np.round(np.asarray(shared) * 8).astype(int), return_counts=True)
   return dict(row_mean=float(np.mean(per_row)), row_max=float(np.max(per_row)),
               batch=float(imbalance(np.sum(work, axis=0))), bytes_mean=float(np.mean(shared)),
               bytes_max=float(np.max(shared)), left_out_mean=float(np.mean(left_out)),
-              left_out_max=float(np.max(left_out)))
+              left_out_max=float(np.max(left_out)),
+              sizes_taken={f"{int(k)}/8": int(n) for k, n in zip(sizes, counts)})
 
 
 def placement_speed(seed: int, batch: int = 8, seq_len: int = 256 * 1024) -> list[dict]:
@@ -304,12 +306,16 @@ def markdown(results, speed=()) -> str:
         "Per row, the smallest shared size (0, 1/8, 1/4, 3/8, 1/2, 3/4 or all of S/cp per rank) that "
         "balances the cost model within 2% with at most 2% of the tokens left out (a pipeline packs those "
         "into later rows). Cell: bytes exchanged relative to all_gather's (cp * R / S), mean (max) over rows; "
-        "tokens left out, mean (max); causal work max/mean, mean (worst row).", "",
-        "| mix | S | cp | bytes vs all_gather | left out | work max/mean |", "|---|---|---|---|---|---|"]
+        "tokens left out, mean (max); causal work max/mean, mean (worst row); the sizes taken (R as "
+        "eighths of S/cp: rows).", "",
+        "| mix | S | cp | bytes vs all_gather | left out | work max/mean | sizes taken |",
+        "|---|---|---|---|---|---|---|"]
     for e in placed:
       p = e[PLACEMENT]
+      taken = ", ".join(f"{k}: {n}" for k, n in p.get("sizes_taken", {}).items())
       lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | {p['bytes_mean']:.2f} ({p['bytes_max']:.2f}) | "
-                   f"{p['left_out_mean']:.2%} ({p['left_out_max']:.2%}) | {p['row_mean']:.3f} ({p['row_max']:.3f}) |")
+                   f"{p['left_out_mean']:.2%} ({p['left_out_max']:.2%}) | {p['row_mean']:.3f} ({p['row_max']:.3f}) | "
+                   f"{taken} |")
   tiled = [e for e in results if "tile_overhead" in e[STRATEGIES[0]]]
   tile_strategies = [st for st in STRATEGIES if st != PLACEMENT]
   if tiled:
