@@ -147,18 +147,45 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gpus, others=("all_gather", "ring"),
-             seed=0, hlo_dir=None):
+def placement_cost(calibration=None) -> dict:
+  """token_cost and pair_cost from calibrate_placement.py's JSON ({}: the built-in costs)."""
+  if not calibration:
+    return {}
+  with open(calibration) as f:
+    cal = json.load(f)
+  return dict(token_cost=cal["token_cost"], pair_cost=cal["pair_cost"])
+
+
+def problem(seq_len, mix, heads, max_gpus, cost, seed=0):
+  """One row of the mix with what a placement over max_gpus leaves out turned into padding:
+  ((q, k, v, dO, segment ids, positions) as JAX arrays, the share of tokens left out)."""
   hq, hkv = heads
-  rng = np.random.default_rng(seed)
-  seg = doc_mixes.packed_row(rng, seq_len, mix)[None]
-  seg, left_out = doc_mixes.placeable(seg, max(gpu_counts), **cost)
+  seg = doc_mixes.packed_row(np.random.default_rng(seed), seq_len, mix)[None]
+  seg, left_out = doc_mixes.placeable(seg, max_gpus, **cost)
   pos = doc_mixes.positions(seg)
-  flops = 3.5 * 4 * D * hq * doc_mixes.allowed_causal_pairs(seg)
   key = jax.random.PRNGKey(seed)
   shapes = [(1, seq_len, hq, D), (1, seq_len, hkv, D), (1, seq_len, hkv, D), (1, seq_len, hq, D)]
   q, k, v, do = (jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) for i, s in enumerate(shapes))
-  seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+  return (q, k, v, do, jnp.asarray(seg), jnp.asarray(pos)), left_out
+
+
+def layout(strategy, seg, n, cost, tolerance=None):
+  """(jaxcp.attention's context_parallel, the permutation for jaxcp.load_balance) of a strategy
+  over n GPUs: the placement chosen for the row, or the other strategies on STRATEGIES' layouts."""
+  if strategy == "placement":
+    placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, **cost,
+                                                **({} if tolerance is None else dict(tolerance=tolerance)))
+    return placement, perm
+  balance = STRATEGIES[strategy]
+  return strategy, (jaxcp.load_balance_permutation(np.asarray(seg), n, strategy=balance) if balance != "striped"
+                    else balance)
+
+
+def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gpus, others=("all_gather", "ring"),
+             seed=0, hlo_dir=None):
+  hq, hkv = heads
+  (q, k, v, do, seg, pos), left_out = problem(seq_len, mix, heads, max(gpu_counts), cost, seed)
+  flops = 3.5 * 4 * D * hq * doc_mixes.allowed_causal_pairs(np.asarray(seg))
   base = dict(seq=seq_len, mix=mix, heads=f"{hq}/{hkv}", left_out=left_out,
               docs=int(len(np.unique(np.asarray(seg)[np.asarray(seg) != 0]))))
 
@@ -176,14 +203,8 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
     cases = [("placement", f"tolerance {t:g}", t) for t in tolerances]
     cases += [(s, b, None) for s, b in STRATEGIES.items() if s != "placement" and s in others]
     for strategy, balance, variant in cases:
-      shared = 0
-      if strategy == "placement":
-        placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, tolerance=variant, **cost)
-        context_parallel, shared = placement, placement.shared_tokens
-      else:
-        context_parallel = strategy
-        perm = (jaxcp.load_balance_permutation(np.asarray(seg), n, strategy=balance) if balance != "striped"
-                else balance)
+      context_parallel, perm = layout(strategy, seg, n, cost, variant)
+      shared = context_parallel.shared_tokens if strategy == "placement" else 0
       permute = lambda x: jaxcp.load_balance(x, n, axis=1, strategy=perm)
       host = [permute(x) for x in (q, k, v, do, seg, pos)]
       args = [jax.device_put(x, sh) for x in host]
@@ -253,11 +274,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   heads = list(zip(args.heads[::2], args.heads[1::2]))
-  cost = {}
-  if args.calibration:
-    with open(args.calibration) as f:
-      cal = json.load(f)
-    cost = dict(token_cost=cal["token_cost"], pair_cost=cal["pair_cost"])
+  cost = placement_cost(args.calibration)
   out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   rows = []
   name = common.result_name("cp", max(n for n in args.gpus if n <= len(jax.devices())))

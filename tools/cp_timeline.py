@@ -7,57 +7,31 @@ exposed communication of bench_cp.py is made of.
 """
 import argparse
 import collections
-import glob
 import os
 import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.profiler import ProfileData
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_cp  # noqa: E402
-import doc_mixes  # noqa: E402
+import gpu_timeline  # noqa: E402
 
 import jaxcp  # noqa: E402
 
 
 def step_fn(case, gpus, strategy, cost):
   seq_len, mix, heads = case.split(":")
-  seq_len, (hq, hkv) = int(seq_len), (int(h) for h in heads.split("/"))
-  seg = doc_mixes.packed_row(np.random.default_rng(0), seq_len, mix)[None]
-  seg, _ = doc_mixes.placeable(seg, gpus, **cost)
-  pos = doc_mixes.positions(seg)
+  heads = tuple(int(h) for h in heads.split("/"))
+  arrays, _ = bench_cp.problem(int(seq_len), mix, heads, gpus, cost)
+  context_parallel, perm = bench_cp.layout(strategy, arrays[4], gpus, cost)
   if strategy == "placement":
-    context_parallel, perm, _ = jaxcp.choose_placement(seg, gpus, **cost)
-    print(f"placement: R = {context_parallel.shared_tokens} of {seq_len // gpus} tokens per rank")
-  else:
-    context_parallel = strategy
-    perm = jaxcp.load_balance_permutation(seg, gpus, strategy=bench_cp.STRATEGIES[strategy])
-  key = jax.random.PRNGKey(0)
-  shapes = [(1, seq_len, hq, bench_cp.D), (1, seq_len, hkv, bench_cp.D), (1, seq_len, hkv, bench_cp.D),
-            (1, seq_len, hq, bench_cp.D)]
-  arrays = [jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) for i, s in enumerate(shapes)]
-  arrays += [jnp.asarray(seg), jnp.asarray(pos)]
+    print(f"placement: R = {context_parallel.shared_tokens} of {int(seq_len) // gpus} tokens per rank")
   sh = NamedSharding(Mesh(np.array(jax.devices()[:gpus]), ("cp",)), P(None, "cp"))
   args = [jax.device_put(jaxcp.load_balance(x, gpus, axis=1, strategy=perm), sh) for x in arrays]
   return jax.jit(bench_cp._fwd_bwd(context_parallel)), args
-
-
-def rank0_events(trace_dir):
-  """(start ns, duration ns, name, stream) of every op GPU 0 ran."""
-  path = glob.glob(trace_dir + "/**/*.xplane.pb", recursive=True)[0]
-  events = []
-  for plane in ProfileData.from_file(path).planes:
-    if plane.name not in ("/device:GPU:0", "/device:GPU:0 "):
-      continue
-    for line in plane.lines:
-      if "stream" in line.name.lower():
-        events += [(e.start_ns, e.duration_ns, e.name, line.name) for e in line.events]
-  return sorted(events)
 
 
 def kind(name):
@@ -78,20 +52,14 @@ def main():
   ap.add_argument("--strategy", default="placement", choices=list(bench_cp.STRATEGIES))
   ap.add_argument("--calibration", default=None, help="placement_calibration.json (default: built-in costs)")
   a = ap.parse_args()
-  cost = {}
-  if a.calibration:
-    import json
-    with open(a.calibration) as f:
-      cal = json.load(f)
-    cost = dict(token_cost=cal["token_cost"], pair_cost=cal["pair_cost"])
-  fn, args = step_fn(a.case, a.gpus, a.strategy, cost)
+  fn, args = step_fn(a.case, a.gpus, a.strategy, bench_cp.placement_cost(a.calibration))
   for _ in range(3):
     jax.block_until_ready(fn(*args))
   trace_dir = tempfile.mkdtemp()
   with jax.profiler.trace(trace_dir):
     for _ in range(3):
       jax.block_until_ready(fn(*args))
-  events = rank0_events(trace_dir)
+  events = gpu_timeline.gpu_events(trace_dir, plane="/device:GPU:0")
   if not events:
     sys.exit("no GPU 0 events in the profile (a GPU host is needed)")
   # The last step: from the last occurrence of the first step's first op.

@@ -15,15 +15,17 @@ from jax.profiler import ProfileData
 import profile_case
 
 
-def gpu_events(trace_dir):
+def gpu_events(trace_dir, plane="/device:GPU"):
+  """(start ns, duration ns, name, stream) of every op on the GPU planes whose name starts with
+  `plane` ("/device:GPU:0": the first GPU's only), in time order."""
   path = glob.glob(trace_dir + "/**/*.xplane.pb", recursive=True)[0]
   events = []
-  for plane in ProfileData.from_file(path).planes:
-    if not plane.name.startswith("/device:GPU"):
+  for p in ProfileData.from_file(path).planes:
+    if not p.name.startswith(plane):
       continue
-    for line in plane.lines:
+    for line in p.lines:
       if "stream" in line.name.lower():
-        events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+        events += [(e.start_ns, e.duration_ns, e.name, line.name) for e in line.events]
   return sorted(events)
 
 
@@ -43,7 +45,7 @@ def main():
   calls = min(2, len(starts))
   first = starts[-calls]
   end, busy = None, 0
-  for start, dur, name in events[first:]:
+  for start, dur, name, _ in events[first:]:
     gap = (start - end) / 1e3 if end is not None else 0.0
     print(f"gap {gap:7.1f} us  {dur / 1e3:9.1f} us  {name[:100]}")
     end = max(end or 0, start + dur)

@@ -82,11 +82,9 @@ def attention_fn(name, backward, fa3=False):
   f = ba._jaxcp(case, seg, pos, deterministic=deterministic)
   if fa3:
     varlen, info = fa3_peer.load()
-    reason = info.get("absent") or fa3_peer.unsupported(case.head_dim, case.v_head_dim, case.chunk)
+    f, reason = (None, info["absent"]) if varlen is None else ba._fa3(case, rows, jnp.bfloat16, varlen)
     if reason:
       sys.exit(f"FlashAttention-3 cannot run {name}: {reason}")
-    window = (case.window - 1, 0) if case.window else None
-    f = fa3_peer.packed_fn(varlen, rows, case.seq_len, scale=case.head_dim ** -0.5, causal=True, window=window)
   if backward:
     do = jax.random.normal(jax.random.fold_in(key, 3), q.shape[:3] + (dv,), jnp.bfloat16)
     return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), (q, k, v, do)

@@ -38,7 +38,7 @@ def choose_strategy(strategy, cp_size: int, local_q_len: int, local_kv_len: int,
   """Resolves "auto" to "all_gather" or "ring" (see the constants above); a DocumentPlacement
   stays, once checked against the local shard."""
   if isinstance(strategy, DocumentPlacement):
-    strategy.check_cp_size(cp_size, "the context-parallel mesh axis size")
+    strategy.check_ranks(cp_size, "the context-parallel mesh axis size")
     if local_q_len != local_kv_len:
       raise ValueError(f"context_parallel=DocumentPlacement(...) places the tokens of one row for self attention; "
                        f"the query and key/value shards differ ({local_q_len} and {local_kv_len} tokens). Use "

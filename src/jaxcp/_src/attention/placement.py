@@ -100,7 +100,7 @@ class DocumentPlacement:
     if self.token_cost == 0 and self.pair_cost == 0:
       raise ValueError("DocumentPlacement: token_cost and pair_cost cannot both be 0.")
 
-  def check_cp_size(self, cp: int, where: str = "cp_size") -> None:
+  def check_ranks(self, cp: int, where: str = "cp_size") -> None:
     """ValueError unless the layout is for cp ranks (or says nothing about its ranks)."""
     if self.cp_size is not None and self.cp_size != cp:
       raise ValueError(f"DocumentPlacement(cp_size={self.cp_size}) lays rows out for {self.cp_size} ranks, but "
@@ -408,7 +408,7 @@ def placement_permutation(segment_ids, cp_size: int, placement: DocumentPlacemen
   numpy computation through jax.pure_callback. See load_balance_permutation."""
   cp = check_cp_size(cp_size)
   _check_segments(segment_ids, cp)
-  placement.check_cp_size(cp)
+  placement.check_ranks(cp)
   placement.local_tokens(segment_ids.shape[-1], cp)
   if isinstance(segment_ids, (np.ndarray, np.generic)):
     return place_rows(np.asarray(segment_ids), cp, placement)[0]

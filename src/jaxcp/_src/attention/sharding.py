@@ -176,13 +176,12 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
   local = lambda *a: fwd_kernel(*a, config)
 
   def lower(q, k, v, q_seg, q_pos, kv_seg, kv_pos):
-    if plan is None:
-      kept = context_parallel.shared_of_row(config.context_parallel, k, v, kv_seg, kv_pos) if keep else ()
     k_all, v_all = k, v
     if head_index is not None:
       h = head_index(k.shape[2])
       k, v = (jax.lax.dynamic_slice_in_dim(x, h, 1, axis=2) for x in (k, v))
     if plan is None:
+      kept = context_parallel.shared_of_row(config.context_parallel, k_all, v_all, kv_seg, kv_pos) if keep else ()
       return (*local(q, k, v, q_seg, q_pos, kv_seg, kv_pos), *kept)
     strategy, cp_size = plan
     out, lse, kept = context_parallel.cp_fwd(strategy, local, layout.kv_seq, cp_size,
