@@ -11,9 +11,9 @@
 //   dV += P^T dO, dK += dS^T Q                        (register-A wgmma, accumulators in registers)
 //   dQ_tile = dS K                                    (dS^T through shared memory; the warpgroups
 //                                                      split D, or at D 64 the 128 queries)
-// dQ_tile goes through shared memory into a float32 accumulator in global memory by one bulk
-// reduce-add (cp.reduce.async.bulk: no per-element atomics), issued by a writer warp of the
-// producer warpgroup so that the consumers only store and go on. dK is issued in two halves
+// dQ_tile goes through shared memory into a float32 accumulator in global memory by bulk
+// reduce-adds (cp.reduce.async.bulk: no per-element atomics), one per warpgroup's half, issued by
+// a writer warp of the producer warpgroup so that the consumers only store and go on. dK is issued in two halves
 // around the dQ GEMM, so that the tensor cores have work while dQ is stored. The accumulator
 // keeps each tile in the warpgroups' register-fragment order (contiguous, conflict-free
 // shared-memory writes); bwd_sm90_dq_convert_kernel maps it back to [B, Sq, Hq, D], scaled.
@@ -175,8 +175,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   using PipelineDO = typename KT::PipelineDO;
   using StepInfo = BwdSm90StepInfo;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
-  extern __shared__ char smem_raw[];
-  SharedStorage& ss = aligned_shared_storage<SharedStorage>(smem_raw);
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& ss = shared_storage_at<SharedStorage>(smem_raw);
   const BwdParams& p = P.p;
 
   const int warp_group = threadIdx.x / 128;
@@ -218,29 +218,39 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     if (!any_work) return;
     if constexpr (!KT::kSplitD) {
       if (threadIdx.x / 32 == 1) {
-        // ---------------- dQ writer warp: one bulk reduce-add per step ----------------
+        // ---------------- dQ writer warp: a bulk reduce-add per warpgroup and step ----------------
+        // Each warpgroup's half of the tile (its fragments) leaves as soon as it is in shared
+        // memory, and its buffer is free again once read, whatever the other warpgroup does.
         // Deterministic (dq_sem set): a tile's adds take turns, key tiles in decreasing order
         // (blocks start in that order, so a turn never waits on a block that has not started;
         // under causal masks the higher key tiles reach a query tile first anyway).
+        constexpr int kHalf = BM * D / 2;  // floats
         int h = w.h_begin, i = i_first, c = cls_first;
         bool more = true;
-        cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);  // starts empty
+        for (int half = 0; half < 2; ++half)  // both halves start empty
+          cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + half);
         do {
           const int hs = h, is = i;
           more = next_step(h, i, c);
-          cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull);
+          float* gdq = p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D);
           DqTurn turn{nullptr, 0};
-          if (threadIdx.x == 32) {
-            if (p.dq_sem != nullptr) {
-              turn = dq_turn(p, w.b, hs, w.n_block, is);
-              wait_turn(turn.sem, turn.ticket);
+          for (int half = 0; half < 2; ++half) {
+            cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull + half);
+            if (threadIdx.x == 32) {
+              if (half == 0 && p.dq_sem != nullptr) {
+                turn = dq_turn(p, w.b, hs, w.n_block, is);
+                wait_turn(turn.sem, turn.ticket);
+              }
+              bulk_reduce_add_f32(gdq + half * kHalf, ss.dq.data() + half * kHalf, kHalf * 4);
+              tma_store_arrive();
             }
-            bulk_reduce_add_f32(p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D), ss.dq.data(), BM * D * 4);
-            tma_store_arrive();
-            tma_store_wait<0>();  // the buffer has been read
           }
+          if (threadIdx.x == 32) tma_store_wait<1>();  // the first half has been read
           __syncwarp();
           if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
+          if (threadIdx.x == 32) tma_store_wait<0>();
+          __syncwarp();
+          if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + 1);
           if (turn.sem != nullptr) pass_turn(turn.sem, turn.ticket + 1);
           __syncwarp();
         } while (more);
@@ -317,10 +327,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
   Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
   Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol_sm90(acc_s.layout()));
-  Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol_sm90(acc_dp.layout()));
   Tensor rP = make_fragment_like<Element>(acc_s);
   Tensor rdS = make_fragment_like<Element>(acc_dp);
-  Tensor p_rc = make_tensor(rP.data(), acc_rowcol_sm90(rP.layout()));
 
   Tensor cS = make_identity_tensor(Shape<Int<BN>, Int<BM>>{});
   auto coords = [&](int thread) {  // (key, query) of each of this thread's S^T elements, (rows, cols)
@@ -350,33 +358,42 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
     }();
     int ds_stage = 0, n_partial = 0;
     bool more = true;
+    // Shared-memory operands (wgmma descriptors) depend only on the warpgroup: sliced by its first
+    // thread, an index the compiler knows is warp-uniform, they live in uniform registers and are
+    // built once for the whole loop.
+    const int wg_first = __shfl_sync(0xffffffffu, wg, 0) * 128;
+    auto wg_sdp = mma_sdp.get_slice(wg_first);
+    auto wg_dk = mma_dk.get_slice(wg_first);
+    auto wg_dv = mma_dv.get_slice(wg_first);
+    auto wg_dq = mma_dq.get_slice(wg_first);
+    Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdSt{});
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stages)
+    Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tdVrdO = wg_dv.partition_fragment_B(sdOt);
+    Tensor tdKrQ = wg_dk.partition_fragment_B(sQt);
+    Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, buffers)
+    Tensor tdQrK = wg_dq.partition_fragment_B(sKt);
     do {
-      // Per-thread fragments (shared-memory descriptors) and coordinates, rebuilt for every step
-      // from opaque_thread_index: built once, they were held across the loop, and spilled.
+      // Per-thread coordinates and shared-memory addresses, rebuilt for every step from
+      // opaque_thread_index (built once, they would be held across the loop, and spill).
       const int tix = opaque_thread_index() - 128;
       auto thr_sdp = mma_sdp.get_thread_slice(tix);
-      auto thr_dk = mma_dk.get_thread_slice(tix);
-      auto thr_dv = mma_dv.get_thread_slice(tix);
-      auto thr_dq = mma_dq.get_thread_slice(tix);
-      Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQt{});
-      Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdOt{});
-      Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutKt{});
-      Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdS{});
-      Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename KT::SmemLayoutdSt{});
-
-      Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-      Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stages)
-      Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-      Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);  // (MMA, MMA_N, MMA_K, stages)
-      Tensor tdVrdO = thr_dv.partition_fragment_B(sdOt);
-      Tensor tdKrQ = thr_dk.partition_fragment_B(sQt);
-      Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);   // (MMA, MMA_M, MMA_K, buffers)
-      Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
-      // Stores of dS through the swizzle applied to offsets from a shared-memory pointer (a
-      // swizzled pointer is rebuilt from an integer: generic stores, 64-bit addresses held in
-      // registers). (MMA, M, N, 2)
-      Tensor tdSsdS = thr_sdp.partition_C(as_position_independent_swizzle_tensor(sdSt));
+      // P^T / dS^T (keys x queries) fragments -> shared memory by stmatrix: a fragment's rows are
+      // keys and its adjacent columns adjacent queries, contiguous in the transposed tile, so each
+      // 8 x 8 block is one 16-byte row a key (four blocks per instruction, not 16 pair stores).
+      // The swizzle is applied to offsets from a shared-memory pointer (a swizzled pointer is
+      // rebuilt from an integer: generic stores, 64-bit addresses held in registers).
+      auto copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+      auto thr_copy_pds = copy_pds.get_thread_slice(tix);
+      Tensor tdSsdS = thr_copy_pds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, M, N, 2)
       const auto tScS_rc = coords(tix);
+      const auto tScS = thr_sdp.partition_C(cS);  // the same, in fragment order
       const int st = read_q.index(), st_do = read_do.index();
       pipe_q.consumer_wait(read_q);
       wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), acc_s);
@@ -435,18 +452,22 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       } else {
         // P^T of both warpgroups' queries -> shared memory.
         Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename KT::SmemLayoutdSt{});
-        store_fragment_pairs(thr_sdp.partition_C(as_position_independent_swizzle_tensor(sPt))(_, _, _, ds_stage), rP);
+        copy(copy_pds, thr_copy_pds.retile_S(rP),
+             thr_copy_pds.partition_D(as_position_independent_swizzle_tensor(sPt))(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarP);
-        wgmma_issue<false>(mma_dv, thr_dv.partition_fragment_A(sPt)(_, _, _, ds_stage), tdVrdO(_, _, _, st_do), acc_dv);
+        wgmma_issue<false>(mma_dv, wg_dv.partition_fragment_A(sPt)(_, _, _, ds_stage), tdVrdO(_, _, _, st_do), acc_dv);
       }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_dp);
+      // dS^T = P^T (dP^T - delta). A fragment's elements 2e and 2e + 1 are adjacent queries of one
+      // key, one 32-bit pair of P^T, unpacked whole (unpack_pair).
       CUTE_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) {
-        const float dl = delta[get<1>(tScS_rc(0, ni))];
-        CUTE_UNROLL
-        for (int mi = 0; mi < kRows; ++mi) dp_rc(mi, ni) = static_cast<float>(p_rc(mi, ni)) * (dp_rc(mi, ni) - dl);
+      for (int e = 0; e < size(acc_dp); e += 2) {
+        const float2 pt = unpack_pair<Element>(reinterpret_cast<const uint32_t*>(rP.data())[e / 2]);
+        const float2 dl = *reinterpret_cast<const float2*>(delta + get<1>(tScS(e)));
+        acc_dp(e) = pt.x * (acc_dp(e) - dl.x);
+        acc_dp(e + 1) = pt.y * (acc_dp(e + 1) - dl.y);
       }
       convert_into(rdS, acc_dp);
       if constexpr (!KT::kSplitD) {
@@ -456,36 +477,36 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         constexpr int kHalfK = decltype(size<2>(tdKrdS))::value / 2;
         wgmma_issue<false, 0, kHalfK>(mma_dk, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
         // dS^T -> shared memory (both warpgroups' keys), then dQ = dS K.
-        store_fragment_pairs(tdSsdS(_, _, _, ds_stage), rdS);
+        copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
         wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
         wgmma_issue<false, kHalfK>(mma_dk, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
-        warpgroup_wait<1>();  // dQ done, the second half of dK still running
+        warpgroup_wait<1>();  // dV and dQ done (dO is free), the second half of dK still running
         warpgroup_fence_operand(acc_dq);
+        pipe_do.consumer_release(read_do);
         // dQ += dS K (unscaled): fragments -> shared; the writer warp issues the bulk reduce-add.
         constexpr int kChunks = decltype(size(acc_dq))::value / 4;
         float4* sdq = reinterpret_cast<float4*>(ss.dq.data()) + wg * kChunks * 128;
-        cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQEmpty);
+        cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQEmpty + wg);
         CUTE_UNROLL
         for (int ch = 0; ch < kChunks; ++ch)
           sdq[ch * 128 + t_wg] = make_float4(acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
         cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQFull);
+        cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQFull + wg);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
         pipe_q.consumer_release(read_q);
-        pipe_do.consumer_release(read_do);
       } else {
         // dS^T of both warpgroups' queries -> shared memory; then dQ = dS K and dK += dS^T Q.
-        store_fragment_pairs(tdSsdS(_, _, _, ds_stage), rdS);
+        copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarDS);
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<BM>, Int<D>>{});
         wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, acc_dq);
-        wgmma_issue<false>(mma_dk, thr_dk.partition_fragment_A(sdSt)(_, _, _, ds_stage), tdKrQ(_, _, _, st), acc_dk);
+        wgmma_issue<false>(mma_dk, wg_dk.partition_fragment_A(sdSt)(_, _, _, ds_stage), tdKrQ(_, _, _, st), acc_dk);
         warpgroup_wait<1>();  // dV and dQ done (dO is free), dK still running
         warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(read_do);

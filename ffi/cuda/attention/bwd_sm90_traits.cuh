@@ -71,7 +71,9 @@ struct BwdSm90Common {
                                           Shape<Int<kBN>, Int<kD>>{}, _1{}));
   using TmaStoreV = decltype(make_tma_copy(SM90_TMA_STORE{}, GTensorOut{}, SmemLayoutV{},
                                           Shape<Int<kBN>, Int<kDv>>{}, _1{}));
-  static constexpr int kBarEpilogue = 6;  // named barrier: the consumers' epilogue
+  // Named barriers: user ids 0-7 (cutlass::arch::NamedBarrier adds its 8 reserved ids: hardware
+  // barriers 8-15; 0-7 are __syncthreads' and CUTLASS's). 7: the consumers' epilogue.
+  static constexpr int kBarEpilogue = 7;
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelineDO = cutlass::PipelineTmaAsync<kStagesDO>;
@@ -104,10 +106,11 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
   using Element = Element_;
   static constexpr bool kSplitD = false;
   static constexpr int kD = kHeadDim, kDv = kHeadDim, kBM = Base::kBM, kBN = Base::kBN;
-  // Named barriers: 0 __syncthreads; 1 both consumer warpgroups' dS are in shared memory; 2 / 3
-  // the dQ buffer is empty / full (consumers + the writer warp); 4, 5 a warpgroup's query masks.
-  static constexpr int kBarDS = 1, kBarDQEmpty = 2, kBarDQFull = 3, kBarQMasks = 4;
-  static constexpr int kDQSyncThreads = Base::kConsumerThreads + 32;
+  // Named barriers (user ids): 0 both consumer warpgroups' dS are in shared memory; 1, 2 a
+  // warpgroup's half of the dQ buffer is empty, 3, 4 full (the warpgroup + the writer warp); 5, 6
+  // a warpgroup's query masks.
+  static constexpr int kBarDS = 0, kBarDQEmpty = 1, kBarDQFull = 3, kBarQMasks = 5;
+  static constexpr int kDQSyncThreads = 128 + 32;
 
   // Keys as rows: one 64-key slab per consumer warpgroup.
   using AtomRows = Layout<Shape<_2, _1, _1>>;
@@ -127,9 +130,9 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
 
   struct SharedStorage : Base::CommonStorage {
     cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> ds;
-    cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]: one tile
+    cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]: one tile, two halves
   };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
 
@@ -147,8 +150,8 @@ struct BwdSm90SplitDTraits
   using Element = Element_;
   static constexpr bool kSplitD = true;
   static constexpr int kD = kHeadDim, kDv = kHeadDimV, kBM = Base::kBM, kBN = Base::kBN;
-  // Named barriers: 0 __syncthreads; 1 / 2 both warpgroups' P^T / dS^T are in shared memory;
-  // 3 the deterministic dQ turn taken / done; 4, 5 a warpgroup's query masks.
+  // Named barriers (user ids): 1 / 2 both warpgroups' P^T / dS^T are in shared memory; 3 the
+  // deterministic dQ turn taken / done; 4, 5 a warpgroup's query masks.
   static constexpr int kBarP = 1, kBarDS = 2, kBarTurn = 3, kBarQMasks = 4;
 
   using AtomCols = Layout<Shape<_1, _2, _1>>;
@@ -174,7 +177,7 @@ struct BwdSm90SplitDTraits
     cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> p;
     cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> ds;
   };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
 

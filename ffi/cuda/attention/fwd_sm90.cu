@@ -113,7 +113,7 @@ struct FwdSm90Traits {
     alignas(8) uint64_t cols_full[kMaskSlots];  // a slot's info and masks: 32 cp.async lanes + lane 0
   };
   static constexpr int kInfoArrivals = 33;
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual 1 KB alignment
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
 };
 
@@ -187,8 +187,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   using SharedStorage = typename KT::SharedStorage;
   using Pipeline = typename KT::Pipeline;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
-  extern __shared__ char smem_raw[];
-  SharedStorage& ss = aligned_shared_storage<SharedStorage>(smem_raw);
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& ss = shared_storage_at<SharedStorage>(smem_raw);
   const FwdParams& p = P.p;
 
   const int warp_group = threadIdx.x / 128;

@@ -78,6 +78,18 @@ __forceinline__ __device__ void convert_into(TD& dst, TS const& src) {
       op(*reinterpret_cast<const cutlass::Array<float, n>*>(src.data()));
 }
 
+// The two 16-bit elements of a packed pair as floats (low half first). bfloat16: a shift and a
+// mask, one instruction each (converting the elements one by one costs two, plus a repack).
+template <class Element>
+__forceinline__ __device__ float2 unpack_pair(uint32_t pair) {
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+    return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
+  } else {
+    static_assert(std::is_same_v<Element, cutlass::half_t>);
+    return __half22float2(*reinterpret_cast<const __half2*>(&pair));
+  }
+}
+
 // Copies one int32 from global to shared memory asynchronously (zeros when !valid: nothing read).
 __forceinline__ __device__ void cp_async_i32(int32_t* dst, const int32_t* src, bool valid) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
@@ -132,14 +144,16 @@ __forceinline__ __device__ int opaque_thread_index() {
 // Waits until this thread's cp.async copies have landed.
 __forceinline__ __device__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// The kernel's shared storage, aligned to 1 KB (128-byte-swizzled TMA tiles need it); the
-// kernels request sizeof(SharedStorage) + 1024 bytes. The padding is added to smem_raw itself
-// (not rebuilt from an integer) so that the compiler still sees shared memory behind every
-// member and emits LDS/STS: a pointer rebuilt from uintptr_t gave generic loads and stores.
+// The kernel's shared storage at the start of dynamic shared memory (declared
+// `extern __shared__ __align__(1024) char smem_raw[]`; the sm_90a kernels have no static shared
+// memory, so it starts 1 KB aligned, as 128-byte-swizzled TMA tiles need). Addressed from the
+// symbol itself, every member's shared address is a link-time constant: LDS/STS offsets and wgmma
+// descriptors fold into immediates and uniform registers (a pad computed at run time would make
+// every address a register value, and each wgmma's descriptors a register-to-uniform copy).
 template <class SharedStorage>
-__forceinline__ __device__ SharedStorage& aligned_shared_storage(char* smem_raw) {
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  return *reinterpret_cast<SharedStorage*>(smem_raw + ((1024u - (base & 1023u)) & 1023u));
+__forceinline__ __device__ SharedStorage& shared_storage_at(char* smem_raw) {
+  if (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) % 1024u != 0) __trap();
+  return *reinterpret_cast<SharedStorage*>(smem_raw);
 }
 
 // Parameters of a TMA pipeline whose producer is warpgroup 0 (thread 0 issues the loads) and
