@@ -10,6 +10,8 @@
 // Both compute S^T and dP^T with keys as rows. kDv, the value head dim, sizes V, dO, dV and the
 // dP^T / dV GEMMs (multi-head latent attention: sm90_value_head_dim); Q, K, dK, dQ take kD.
 #pragma once
+#include <initializer_list>
+
 #include "bwd.cuh"
 
 #include "sm90.cuh"
@@ -74,6 +76,11 @@ struct BwdSm90Common {
   // Named barriers: user ids 0-7 (cutlass::arch::NamedBarrier adds its 8 reserved ids: hardware
   // barriers 8-15; 0-7 are __syncthreads' and CUTLASS's). 7: the consumers' epilogue.
   static constexpr int kBarEpilogue = 7;
+  static constexpr bool user_barriers(std::initializer_list<int> ids) {
+    for (int id : ids)
+      if (id < 0 || id > 7) return false;
+    return true;
+  }
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelineDO = cutlass::PipelineTmaAsync<kStagesDO>;
@@ -110,6 +117,7 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
   // warpgroup's half of the dQ buffer is empty, 3, 4 full (the warpgroup + the writer warp); 5, 6
   // a warpgroup's query masks.
   static constexpr int kBarDS = 0, kBarDQEmpty = 1, kBarDQFull = 3, kBarQMasks = 5;
+  static_assert(Base::user_barriers({kBarDS, kBarDQEmpty + 1, kBarDQFull + 1, kBarQMasks + 1}));
   static constexpr int kDQSyncThreads = 128 + 32;
 
   // Keys as rows: one 64-key slab per consumer warpgroup.
@@ -153,6 +161,7 @@ struct BwdSm90SplitDTraits
   // Named barriers (user ids): 1 / 2 both warpgroups' P^T / dS^T are in shared memory; 3 the
   // deterministic dQ turn taken / done; 4, 5 a warpgroup's query masks.
   static constexpr int kBarP = 1, kBarDS = 2, kBarTurn = 3, kBarQMasks = 4;
+  static_assert(Base::user_barriers({kBarP, kBarDS, kBarTurn, kBarQMasks + 1}));
 
   using AtomCols = Layout<Shape<_1, _2, _1>>;
   // S^T, dP^T (keys x queries): the warpgroups split the queries. (The selector's K, D here,
