@@ -10,6 +10,9 @@ backward alone are compiled and timed apart, so a peer whose backward runs out o
 a forward. The backward alone is jax.vjp's pull function from one forward, passed into a jitted
 call, so that only the backward runs in the timed call; where that fails, forward+backward's time
 minus the forward's, marked so (bwd_method "fwd_bwd - fwd", "(diff)" in the table).
+jaxcp also runs with deterministic=True ("jaxcp_det": forward+backward and the backward alone; its
+forward is the default one), checked against the default's gradients; the summary gives what the
+fixed order of the dQ adds costs the backward.
 
 FlashAttention-3 runs where its wheel imports (the results' meta "fa3" names the module and
 version, or why it is absent) and the case is one it supports: no chunked masks, V's head dim that
@@ -231,6 +234,7 @@ def case_inputs(case: Case, dtype):
 
 
 MODES = ("fwd", "fwd_bwd", "bwd")
+IMPL_MODES = {"jaxcp_det": ("fwd_bwd", "bwd")}  # implementations timed in some modes only
 FLOPS_PER_FWD = {"fwd": 1.0, "fwd_bwd": 3.5, "bwd": 2.5}  # the backward alone: forward+backward less the forward
 _ERR_KEY = {"fwd": "rel_err_vs_jaxcp",  # where each mode's error against jaxcp's goes
             "fwd_bwd": "grad_rel_err_vs_jaxcp", "bwd": "bwd_grad_rel_err_vs_jaxcp"}
@@ -260,7 +264,7 @@ def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS
   fwd_flops = 2 * (case.head_dim + dv) * case.q_heads * pairs  # q.k and p.v
   q, k, v, dout = case_inputs(case, dtype)
 
-  impls = {"jaxcp": _jaxcp(case, seg, pos)}
+  impls = {"jaxcp": _jaxcp(case, seg, pos), "jaxcp_det": _jaxcp(case, seg, pos, deterministic=True)}
   if not quick:
     impls["cudnn_packed"] = _cudnn_packed(case, rows, dtype)
     impls["cudnn_static"] = _cudnn_packed(case, rows, dtype, static_doc_capacity(case.seq_len, static_tokens_per_doc))
@@ -281,7 +285,7 @@ def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS
       continue
     result[name] = {}
     fwd_and_fwd_bwd = _calls(fn, q, k, v, dout)
-    for mode in MODES:
+    for mode in IMPL_MODES.get(name, MODES):
       call = None
       try:
         call = bwd_call(fn, q, k, v, dout) if mode == "bwd" else fwd_and_fwd_bwd[mode]
@@ -322,7 +326,7 @@ def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS
   return result
 
 
-PEERS = ("cudnn_packed", "cudnn_static", "cudnn_dense", "xla", "fa3")  # every implementation but jaxcp
+PEERS = ("jaxcp_det", "cudnn_packed", "cudnn_static", "cudnn_dense", "xla", "fa3")  # every implementation but jaxcp
 TFLOPS_KEYS = tuple(f"{m}_tflops" for m in MODES)
 
 
@@ -347,8 +351,10 @@ def _peer_errors(r):
   """Each peer's relative error against jaxcp: output / worst of dq, dk, dv."""
   def grads(e):
     return "-" if e is None else f"{e:.1e}"  # "-": its backward did not run
-  errs = [f"{n} {r[n]['rel_err_vs_jaxcp']:.1e} / {grads(r[n].get('grad_rel_err_vs_jaxcp'))}"
-          for n in PEERS if n in r and "rel_err_vs_jaxcp" in r[n]]
+  def out(e):
+    return "-" if e is None else f"{e:.1e}"  # "-": not run (jaxcp_det's forward is jaxcp's)
+  errs = [f"{n} {out(r[n].get('rel_err_vs_jaxcp'))} / {grads(r[n].get('grad_rel_err_vs_jaxcp'))}"
+          for n in PEERS if n in r and ("rel_err_vs_jaxcp" in r[n] or "grad_rel_err_vs_jaxcp" in r[n])]
   return ", ".join(errs) or "-"
 
 
@@ -409,7 +415,21 @@ def ratio_summary(results):
         vals = [v for v in vals if v is not None]
         out[f"{prefix}{label}_{key}"] = dict(cases=len(vals),
                                              geomean=float(np.exp(np.mean(np.log(vals)))) if vals else None)
+  out["deterministic_bwd"] = deterministic_cost(results)
   return out
+
+
+def deterministic_cost(results, max_head_dim=128):
+  """The backward alone with deterministic=True over the default (time ratio): geometric mean and
+  worst over the cases up to max_head_dim where both ran and agree."""
+  vals = []
+  for r in results:
+    base, det = r.get("jaxcp") or {}, r.get("jaxcp_det") or {}
+    if (r["case"].get("head_dim", 0) <= max_head_dim and "bwd_ms" in base and "bwd_ms" in det
+        and _peer_agrees(det, "bwd_tflops")):
+      vals.append(det["bwd_ms"] / base["bwd_ms"])
+  return dict(cases=len(vals), max_head_dim=max_head_dim,
+              geomean=float(np.exp(np.mean(np.log(vals)))) if vals else None, worst=max(vals) if vals else None)
 
 
 def _summary_md(summary, static_tokens_per_doc):
@@ -427,6 +447,11 @@ def _summary_md(summary, static_tokens_per_doc):
     if parts:
       lines.append(f"Geometric mean of jaxcp / {peer} over the cases with a result that agrees with jaxcp's: "
                    + "; ".join(parts) + ".")
+  det = summary.get("deterministic_bwd") or {}
+  if det.get("geomean") is not None:
+    lines.append(f"jaxcp's backward alone with deterministic=True over the default (time), head dims up to "
+                 f"{det['max_head_dim']}: geometric mean {det['geomean']:.3f}x, worst {det['worst']:.3f}x "
+                 f"({det['cases']} cases).")
   return "\n\n".join(lines)
 
 
@@ -434,7 +459,7 @@ def markdown(meta, results):
   """The results table (and the geometric means of the ratios) as markdown."""
   tokens_per_doc = meta.get("static_tokens_per_doc", 128)  # result files without the key used S/128
   static = f"M=S/{tokens_per_doc}"
-  names = {"jaxcp": "jaxcp", "cudnn_packed": "cuDNN packed", "cudnn_static": f"cuDNN {static}",
+  names = {"jaxcp": "jaxcp", "jaxcp_det": "jaxcp deterministic", "cudnn_packed": "cuDNN packed", "cudnn_static": f"cuDNN {static}",
            "cudnn_dense": "cuDNN dense", "xla": "XLA", "fa3": "FA3"}
   modes = ("fwd", "fwd+bwd", "bwd")  # TFLOPS_KEYS' labels
   header = (["case", "docs/row"] + [f"{names[n]} {m}" for n in ("jaxcp",) + PEERS for m in modes]

@@ -33,7 +33,13 @@ def test_bench_attention_quick(tmp_path):
   # the XLA peer is checked against jaxcp's output and gradients (float32 on the CPU)
   errs = [(r["xla"]["rel_err_vs_jaxcp"], r["xla"]["grad_rel_err_vs_jaxcp"]) for r in data["results"]]
   assert errs and all(0 <= e < 1e-4 for pair in errs for e in pair), errs
-  assert (tmp_path / "attention_cpu.md").read_text().startswith("Device:")
+  # deterministic=True: timed forward+backward and backward alone, the default's gradients
+  det = [r["jaxcp_det"] for r in data["results"]]
+  assert all("bwd_ms" in d and "fwd_bwd_ms" in d and "fwd_ms" not in d for d in det), det
+  assert all(0 <= d["grad_rel_err_vs_jaxcp"] < 1e-4 for d in det), det
+  assert data["summary"]["deterministic_bwd"]["cases"] == len(det)
+  md = (tmp_path / "attention_cpu.md").read_text()
+  assert md.startswith("Device:") and "deterministic=True over the default" in md
 
 
 def test_accuracy_quick(tmp_path):
