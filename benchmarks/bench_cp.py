@@ -48,6 +48,7 @@ import common  # noqa: E402
 import doc_mixes  # noqa: E402
 
 import jaxcp  # noqa: E402
+from jaxcp._src.attention.context_parallel import keeps_gathered as jaxcp_keeps_gathered  # noqa: E402
 
 D = 128
 STRATEGIES = {"placement": "placement", "all_gather": "balanced_blocks", "ring": "striped"}
@@ -102,20 +103,22 @@ def overlap_evidence(hlo: str, op: str) -> bool:
   return False
 
 
-def bytes_per_rank(strategy, n, s, hkv, shared=0, gathers=2):
+def bytes_per_rank(strategy, n, s, hkv, shared=0, gathers=2, group=None):
   """Bytes one rank receives per forward+backward (see the module doc); gathers: how many times
-  the placement gathers the shared K/V (1 when the forward keeps them)."""
+  the placement gathers the shared K/V (1 when the forward keeps them); group: the ranks a
+  placement's shared region is exchanged among (default all n)."""
   kv_token = 2 * hkv * D * 2 + 8          # K and V in bf16, segment id and position
   grad_token = 2 * hkv * D * 2            # dK and dV in bf16 (all-to-all, summed in float32 on arrival)
   if strategy == "placement":
-    return (n - 1) * shared * (gathers * kv_token + grad_token)
+    return ((group or n) - 1) * shared * (gathers * kv_token + grad_token)
   if strategy == "ring":
     return (n - 1) * (s // n) * 2 * kv_token + n * (s // n) * 2 * grad_token   # float32 accumulators
   return (n - 1) * (s // n) * (2 * kv_token + grad_token)
 
 
-def rank_compute_time(strategy, arrays, n, shared, reps):
-  """The slowest rank's own kernels timed alone on one GPU (what it computes, no communication)."""
+def rank_compute_time(strategy, arrays, n, shared, reps, group=None):
+  """The slowest rank's own kernels timed alone on one GPU (what it computes, no communication);
+  group: the ranks whose shared keys a placement's shared queries see (default all n)."""
   dev = jax.devices()[0]
   q, k, v, do, seg, pos = arrays
   shard = q.shape[1] // n
@@ -129,7 +132,8 @@ def rank_compute_time(strategy, arrays, n, shared, reps):
         lo = slice(r * shard, r * shard + c)
         parts.append((lo, lo))
       if shared:
-        keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(n)])
+        g = group or n
+        keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(r // g * g, r // g * g + g)])
         parts.append((slice(r * shard + c, (r + 1) * shard), keys))
     else:
       parts = [(mine, slice(None))]
@@ -169,11 +173,12 @@ def problem(seq_len, mix, heads, max_gpus, cost, seed=0):
   return (q, k, v, do, jnp.asarray(seg), jnp.asarray(pos)), left_out
 
 
-def layout(strategy, seg, n, cost, tolerance=None):
+def layout(strategy, seg, n, cost, tolerance=None, groups=None):
   """(jaxcp.attention's context_parallel, the permutation for jaxcp.load_balance) of a strategy
-  over n GPUs: the placement chosen for the row, or the other strategies on STRATEGIES' layouts."""
+  over n GPUs: the placement chosen for the row (among `groups` of ranks for its shared region,
+  default all n), or the other strategies on STRATEGIES' layouts."""
   if strategy == "placement":
-    placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, **cost,
+    placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, **cost, groups=groups,
                                                 **({} if tolerance is None else dict(tolerance=tolerance)))
     return placement, perm
   balance = STRATEGIES[strategy]
@@ -182,7 +187,7 @@ def layout(strategy, seg, n, cost, tolerance=None):
 
 
 def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gpus, others=("all_gather", "ring"),
-             seed=0, hlo_dir=None):
+             seed=0, hlo_dir=None, groups=()):
   hq, hkv = heads
   (q, k, v, do, seg, pos), left_out = problem(seq_len, mix, heads, max(gpu_counts), cost, seed)
   flops = 3.5 * 4 * D * hq * doc_mixes.allowed_causal_pairs(np.asarray(seg))
@@ -200,11 +205,14 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
       continue
     mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
     sh = NamedSharding(mesh, P(None, "cp"))
-    cases = [("placement", f"tolerance {t:g}", t) for t in tolerances]
-    cases += [(s, b, None) for s, b in STRATEGIES.items() if s != "placement" and s in others]
+    cases = [("placement", f"tolerance {t:g}", (t, None)) for t in tolerances]
+    cases += [("placement", f"tolerance {t:g}, groups of {g}", (t, (g, n))) for t in tolerances for g in groups
+              if g < n and n % g == 0]
+    cases += [(s, b, (None, None)) for s, b in STRATEGIES.items() if s != "placement" and s in others]
     for strategy, balance, variant in cases:
-      context_parallel, perm = layout(strategy, seg, n, cost, variant)
+      context_parallel, perm = layout(strategy, seg, n, cost, *variant)
       shared = context_parallel.shared_tokens if strategy == "placement" else 0
+      group = getattr(context_parallel, "shared_group", None)
       permute = lambda x: jaxcp.load_balance(x, n, axis=1, strategy=perm)
       host = [permute(x) for x in (q, k, v, do, seg, pos)]
       args = [jax.device_put(x, sh) for x in host]
@@ -212,21 +220,22 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
       hlo = f.lower(*args).compile().as_text()
       if hlo_dir:
         os.makedirs(hlo_dir, exist_ok=True)
-        with open(os.path.join(hlo_dir, f"{seq_len // 1024}k_{mix}_{hq}-{hkv}_{n}gpus_{strategy}.hlo.txt"), "w") as fh:
+        tag = strategy + (f"_groups{variant[1][0]}" if variant[1] else "")
+        with open(os.path.join(hlo_dir, f"{seq_len // 1024}k_{mix}_{hq}-{hkv}_{n}gpus_{tag}.hlo.txt"), "w") as fh:
           fh.write(hlo)
       t = common.time_fn(f, *args, warmup=1, reps=reps)
       got = f(*args)
       err = max(rel_err(jaxcp.restore_order(a, n, axis=1, strategy=perm), b) for a, b in zip(got, ref))
-      t_comp = (rank_compute_time(strategy, host, n, shared, max(2, reps // 2)) if n in exposed_gpus
+      t_comp = (rank_compute_time(strategy, host, n, shared, max(2, reps // 2), group) if n in exposed_gpus
                 else float("nan"))
       op = {"placement": "all-gather", "ring": "collective-permute"}.get(strategy)
-      row = dict(base, gpus=n, strategy=strategy, balance=balance, shared_tokens=shared, ms=t * 1e3,
+      row = dict(base, gpus=n, strategy=strategy, balance=balance, shared_tokens=shared, shared_group=group, ms=t * 1e3,
                  tflops=flops / t / 1e12, efficiency=t1 / (n * t), compute_ms=t_comp * 1e3,
                  exposed_comm=max(0.0, (t - t_comp) / t) if t_comp == t_comp else None, max_rel_err=err,
-                 mb_per_rank=bytes_per_rank(strategy, n, seq_len, hkv, shared,
-                                            gathers=1 if getattr(context_parallel, "cp_size", None) else 2) / 1e6,
+                 mb_per_rank=bytes_per_rank(strategy, n, seq_len, hkv, shared, group=group,
+                                            gathers=1 if jaxcp_keeps_gathered(context_parallel) else 2) / 1e6,
                  overlap=overlap_evidence(hlo, op) if op and (strategy != "placement" or shared) else None)
-      if strategy == "placement" and shared and context_parallel.cp_size:
+      if strategy == "placement" and shared and jaxcp_keeps_gathered(context_parallel):
         # The backward's dK/dV all-to-all has the local part inside it (the forward kept the gather).
         row["overlap"] = row["overlap"] and overlap_evidence(hlo, "all-to-all")
       rows.append(row)
@@ -243,7 +252,8 @@ def table(rows) -> str:
   for r in rows:
     out.append([f"{r['seq'] // 1024}k", r["mix"], r["heads"], r["gpus"],
                 r["strategy"] if r["gpus"] == 1 else f"{r['strategy']} ({r['balance']})",
-                r.get("shared_tokens", "-") if r["strategy"] == "placement" else "-",
+                (f"{r['shared_tokens']}" + (f" in groups of {r['shared_group']}" if r.get("shared_group") else ""))
+                if r["strategy"] == "placement" else "-",
                 f"{r['ms']:.1f}", f"{r['tflops']:.0f}", f"{r['efficiency']:.3f}",
                 "-" if r.get("exposed_comm") is None else f"{r['exposed_comm']:.3f}", f"{r.get('mb_per_rank', 0):.0f}",
                 f"{r.get('max_rel_err', 0):.1e}", r.get("overlap", "-"), f"{r['left_out']:.2%}"])
@@ -267,6 +277,9 @@ def main(argv=None):
                   help="the other strategies to run beside the placement")
   ap.add_argument("--tolerances", type=float, nargs="+", default=[0.02],
                   help="placement balance tolerances to run (each a strategy of its own)")
+  ap.add_argument("--groups", type=int, nargs="*", default=[],
+                  help="also run placements whose shared region may be exchanged within groups of this many "
+                       "ranks (choose_placement(groups=(g, n))), one strategy per g")
   ap.add_argument("--calibration", default=None,
                   help="placement_calibration.json from calibrate_placement.py (default: the built-in costs)")
   ap.add_argument("--hlo-dir", default=None, help="write each sharded program's compiled HLO (its schedule) here")
@@ -289,7 +302,7 @@ def main(argv=None):
   exposed = args.gpus if args.exposed_gpus is None else args.exposed_gpus
   for s, mix, h in cases:
     rows += run_case(s, mix, h, args.gpus, args.reps, cost, args.tolerances, exposed, args.others,
-                     hlo_dir=args.hlo_dir)
+                     hlo_dir=args.hlo_dir, groups=args.groups)
   meta = common.run_metadata()
   md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; B=1, D=128, causal, forward+backward, bf16; "
         f"placement cost {cost or 'built-in'}.\n\n" + table(rows))

@@ -424,7 +424,8 @@ def iter_placed_batches(documents: Iterable, seq_len: int, batch_size: int, cp: 
       and 1). Each distinct size compiles its own program; one size gives one program. Documents
       longer than any size can hold (a local region, S / cp - R, or the shared one, cp * R) are
       cut into pieces that fit, each piece a document of its own.
-    **cost: ``token_cost``, ``pair_cost``, ``tolerance`` of the placement (see DocumentPlacement).
+    **cost: ``token_cost``, ``pair_cost``, ``tolerance`` of the placement (see DocumentPlacement),
+      and ``groups``, the shared group sizes ``jaxcp.choose_placement`` may choose from.
 
   Yields:
     PlacedBatch with ``batch_size`` rows.
@@ -437,9 +438,11 @@ def iter_placed_batches(documents: Iterable, seq_len: int, batch_size: int, cp: 
   shard = seq_len // int(cp)
   if sizes is not None and (not sizes or sizes[0] < 0 or sizes[-1] > shard):
     raise ValueError(f"sizes must be shared-region sizes in [0, seq_len / cp = {shard}], got {sizes}.")
-  # The longest document a placement can hold: a whole local region, or the whole shared one.
-  # Longer ones are cut into pieces of that length (each a document of its own, as for seq_len).
-  longest = seq_len if sizes is None else max(max(shard - r, int(cp) * r) for r in sizes)
+  # The longest document a placement can hold: a whole local region, or the whole shared one (of
+  # the largest group). Longer ones are cut into pieces of that length (each a document of its
+  # own, as for seq_len).
+  group = int(cp) if cost.get("groups") is None else max(int(g) for g in cost["groups"])
+  longest = max(max(shard - r, group * r) for r in ((0, shard) if sizes is None else sizes))
   stream = _PieceStream(documents, min(seq_len, longest))
   for rows in _row_batches(stream, seq_len, batch_size, strategy, None, buffer_rows, drop_remainder):
     batch = _build(rows, seq_len, pad_id, None, num_rows=batch_size)

@@ -107,14 +107,15 @@ def _pack(xs, as_bits: bool = True):
   return (jnp.concatenate(cols, axis=2),), unpack
 
 
-def _all_gather(axis, xs):
-  return tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in xs)
+def _all_gather(axis, xs, groups=None):
+  return tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True, axis_index_groups=groups) for x in xs)
 
 
-def _gather(axis, xs):
-  """Every rank's blocks of `xs` (K, V and the key tokens' arrays) along the sequence, in rank order."""
+def _gather(axis, xs, groups=None):
+  """Every rank's blocks of `xs` (K, V and the key tokens' arrays) along the sequence, in rank
+  order: of all ranks, or (groups: axis_index_groups) of this rank's group."""
   moved, unpack = _pack(xs)
-  return unpack(_all_gather(axis, moved))
+  return unpack(_all_gather(axis, moved, groups))
 
 
 def all_gather_fwd(local_fwd, axis, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
@@ -178,9 +179,20 @@ def _regions(placement: DocumentPlacement, shard_len: int):
 
 def keeps_gathered(strategy) -> bool:
   """True when the forward returns the shared K/V it gathered (and the token arrays that go with
-  them) for the backward: a DocumentPlacement with a shared region that knows its ranks."""
+  them) for the backward: a DocumentPlacement with a shared region that knows its ranks and
+  spreads it over all of them (groups gather different keys: nothing replicated to keep)."""
   return (isinstance(strategy, DocumentPlacement) and strategy.shared_tokens > 0
-          and strategy.cp_size is not None and strategy.cp_size > 1)
+          and strategy.cp_size is not None and strategy.cp_size > 1
+          and strategy.group_size(strategy.cp_size) == strategy.cp_size)
+
+
+def _axis_groups(placement: DocumentPlacement):
+  """axis_index_groups of the shared region's collectives: consecutive groups of shared_group
+  ranks, or None (all ranks)."""
+  cp, g = placement.cp_size, placement.shared_group
+  if g is None or g == cp:
+    return None
+  return [list(range(j * g, (j + 1) * g)) for j in range(cp // g)]
 
 
 def gathered_shapes(placement: DocumentPlacement, k, v):
@@ -217,10 +229,10 @@ def _overlapped(collective, moved, run_local, local_args):
   return local, arrived
 
 
-def _gather_while(axis, xs, run_local, local_args):
-  """`_gather(axis, xs)` while `run_local(*local_args)` runs (see _overlapped)."""
+def _gather_while(axis, xs, run_local, local_args, groups=None):
+  """`_gather(axis, xs, groups)` while `run_local(*local_args)` runs (see _overlapped)."""
   moved, unpack = _pack(xs)
-  local, gathered = _overlapped(lambda m: _all_gather(axis, m), moved, run_local, local_args)
+  local, gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, run_local, local_args)
   return local, unpack(gathered)
 
 
@@ -231,19 +243,20 @@ def _shared_kv(c, k, v, kv_seg, kv_pos):
 
 def placed_fwd(placement, local_fwd, axis, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """Local queries against local keys (no communication); shared queries against the shared
-  keys of every rank, the only exchange, in flight while the local kernel runs. Two independent
-  problems: no merge. Returns (out, lse, kept): kept is the gathered shared K/V and their token
-  arrays when keeps_gathered(placement), else ()."""
+  keys of every rank (of the rank's group), the only exchange, in flight while the local kernel
+  runs. Two independent problems: no merge. Returns (out, lse, kept): kept is the gathered shared
+  K/V and their token arrays when keeps_gathered(placement), else ()."""
   c, r = _regions(placement, q.shape[1])
+  groups = _axis_groups(placement)
   args = (q, k, v, q_seg, q_pos, kv_seg, kv_pos)
   run_local = lambda *a: local_fwd(*(x[:, :c] for x in a))
   if not r:
     return (*run_local(*args), ())
   shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
   if c:
-    local_out, gathered = _gather_while(axis, shared_kv, run_local, args)
+    local_out, gathered = _gather_while(axis, shared_kv, run_local, args, groups)
   else:
-    gathered = _gather(axis, shared_kv)
+    gathered = _gather(axis, shared_kv, groups)
   shared_out = local_fwd(q[:, c:], *gathered[:2], q_seg[:, c:], q_pos[:, c:], *gathered[2:])
   kept = tuple(gathered) if keeps_gathered(placement) else ()
   if not c:
@@ -259,9 +272,11 @@ def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dls
   With the forward's gathered shared K/V (kept), the shared part runs first and its dK/dV
   all-to-all is in flight while the local part runs: no exchange waits. Without them, the shared
   keys are gathered again (memory stays O(local)) while the local part runs, and the all-to-all
-  follows the shared part."""
+  follows the shared part. With groups (shared_group) every exchange runs within the group."""
   c, r = _regions(placement, q.shape[1])
   n = q.shape[1]
+  groups = _axis_groups(placement)
+  ranks = placement.group_size(cp_size)  # the ranks whose keys the shared part gathers
 
   def part(x, lo, hi, axis_=1):
     return jax.lax.slice_in_dim(x, lo, hi, axis=axis_)
@@ -292,11 +307,11 @@ def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dls
   else:
     shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
     if c:
-      local_grads, gathered = _gather_while(axis, shared_kv, run_local, args)
+      local_grads, gathered = _gather_while(axis, shared_kv, run_local, args, groups)
     else:
-      gathered = _gather(axis, shared_kv)
+      gathered = _gather(axis, shared_kv, groups)
     dq, dkg, dvg = run(query_args(c, n, *per_query), *gathered)
-    shared_grads = (dq, *_sum_scatter(axis, cp_size, (dkg, dvg)))
+    shared_grads = (dq, *_sum_scatter(axis, ranks, (dkg, dvg), groups))
     if not c:
       return shared_grads
   return tuple(jnp.concatenate(pair, axis=1) for pair in zip(local_grads, shared_grads))
@@ -314,17 +329,18 @@ def _scatter_parts(cp_size, xs):
   return blocks, finish
 
 
-def _all_to_all(axis, blocks):
-  return tuple(jax.lax.all_to_all(b, axis, split_axis=1, concat_axis=1, tiled=True) for b in blocks)
+def _all_to_all(axis, blocks, groups=None):
+  return tuple(jax.lax.all_to_all(b, axis, split_axis=1, concat_axis=1, tiled=True, axis_index_groups=groups)
+               for b in blocks)
 
 
-def _sum_scatter(axis, cp_size, xs):
-  """Sums the ranks' partial gradients of gathered keys (each [B, cp * n, ...], block j from rank
-  j) and keeps this rank's blocks. The partials travel in their own dtype, packed into one
-  all-to-all (in bfloat16, half the bytes of a float32 reduce-scatter), and are summed here in
-  float32."""
-  blocks, finish = _scatter_parts(cp_size, xs)
-  return finish(_all_to_all(axis, blocks))
+def _sum_scatter(axis, ranks, xs, groups=None):
+  """Sums the ranks' partial gradients of gathered keys (each [B, ranks * n, ...], block j from
+  rank j of all, or of the group) and keeps this rank's blocks. The partials travel in their own
+  dtype, packed into one all-to-all (in bfloat16, half the bytes of a float32 reduce-scatter),
+  and are summed here in float32."""
+  blocks, finish = _scatter_parts(ranks, xs)
+  return finish(_all_to_all(axis, blocks, groups))
 
 
 # ---------------------------------------------------------------- dispatch

@@ -8,10 +8,12 @@ with ``shared_tokens = R`` its shard is two regions:
 * the last ``R`` tokens are *shared*: pieces of the segments that are spread over all ranks.
   Every shared segment is cut into ``2 * cp`` zigzag pieces (piece ``j`` and its mirror
   ``2 * cp - 1 - j`` on one rank), so its causal work is even over the ranks.
+  With ``shared_group = g`` the ranks form consecutive groups of ``g`` and each shared segment is
+  spread over the ranks of one group only (``2 * g`` pieces): the exchange runs within groups.
 
 Attention on such a layout is two independent problems with no merge: local queries against
 the local keys of their own rank (no communication) and shared queries against the shared keys
-of every rank (the only exchange: ``R`` tokens per rank). The placement of local segments
+of every rank of the group (the only exchange: ``R`` tokens per rank). The placement of local segments
 balances a per-segment cost ``token_cost * L + pair_cost * L**2`` over the ranks (longest
 processing time first, under each rank's local capacity, then moves and swaps off the costliest
 rank); the largest segments go to the shared region when that balances better or when they do
@@ -73,12 +75,18 @@ class DocumentPlacement:
       for the backward, which then needs no gather of its own and overlaps its only exchange
       (the shared dK/dV) with the local part; without it (and outside jax.shard_map, where the
       ranks are known anyway) the backward gathers them again and keeps memory O(S / cp).
+    shared_group: g, the ranks each shared segment is spread over: consecutive groups of g ranks
+      (ranks j * g to j * g + g - 1), g dividing cp_size (which it needs); the shared region's
+      gather and its dK/dV exchange then run within each group, (g - 1) * R tokens received per
+      rank instead of (cp - 1) * R. The forward does not keep the gathered keys then (they
+      differ between groups): the backward gathers them again. None: all cp ranks.
   """
   shared_tokens: int
   token_cost: float = DEFAULT_TOKEN_COST
   pair_cost: float = DEFAULT_PAIR_COST
   tolerance: float = DEFAULT_TOLERANCE
   cp_size: int | None = None
+  shared_group: int | None = None
 
   def __post_init__(self):
     r = self.shared_tokens
@@ -92,6 +100,14 @@ class DocumentPlacement:
         raise ValueError(f"DocumentPlacement: cp_size must be an int >= 1 (the context-parallel ranks) or None, "
                          f"got {cp!r}.")
       object.__setattr__(self, "cp_size", int(cp))
+    g = self.shared_group
+    if g is not None:
+      if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
+        raise ValueError(f"DocumentPlacement: shared_group must be an int >= 1 (ranks per group) or None, got {g!r}.")
+      if cp is None or int(cp) % int(g):
+        raise ValueError(f"DocumentPlacement: shared_group={g} needs cp_size, a multiple of it (the ranks form "
+                         f"groups of {g}), got cp_size={cp!r}.")
+      object.__setattr__(self, "shared_group", int(g))
     for name in ("token_cost", "pair_cost", "tolerance"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value < 0:
@@ -106,6 +122,10 @@ class DocumentPlacement:
       raise ValueError(f"DocumentPlacement(cp_size={self.cp_size}) lays rows out for {self.cp_size} ranks, but "
                        f"{where} is {cp}; choose the placement for {cp} ranks (jaxcp.choose_placement(..., {cp})).")
 
+  def group_size(self, cp: int) -> int:
+    """Ranks a shared segment is spread over: shared_group, or all cp."""
+    return self.shared_group or cp
+
   def local_tokens(self, seq_len: int, cp: int) -> int:
     """Tokens per rank in the local region, S / cp - R; raises if R does not fit."""
     shard = seq_len // cp
@@ -118,7 +138,17 @@ class DocumentPlacement:
 # ---------------------------------------------------------------- one row
 
 
-SHARED, EVICTED = -1, -2  # segment ranks besides 0 .. cp-1
+# Segment ranks besides 0 .. cp-1: shared in group j (shared_code(j); SHARED: group 0, or all
+# ranks), left out, or (while _assign runs) not placed yet.
+SHARED, EVICTED, _UNPLACED = -1, -(1 << 40), -(1 << 41)
+
+
+def shared_code(group: int) -> int:
+  return SHARED - group
+
+
+def _is_shared(rank: np.ndarray) -> np.ndarray:
+  return (rank < 0) & (rank > EVICTED)
 
 
 @dataclasses.dataclass
@@ -150,28 +180,33 @@ def _segments(row: np.ndarray) -> _Segments:
   return _Segments(start, length, run_seg, seg_len)
 
 
-def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared_budget: int,
-            tolerance: float, evict: bool):
-  """(rank of every segment: r >= 0 local, SHARED or EVICTED; max / mean cost), or None.
+def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, r_tokens: int,
+            tolerance: float, evict: bool, group: int):
+  """(rank of every segment: r >= 0 local, shared_code(j) shared in group j, or EVICTED; max /
+  mean cost), or None.
 
-  For k = 0, 1, ...: the k largest segments (at least every one longer than a local region) are
-  shared; the rest go longest first to the cheapest rank with room (LPT); one that finds no room
-  goes to the shared region if it has room left (the exchange moves R tokens per rank whether or
-  not they are used, so filling it is free), else it is evicted (evict=True) or that k fails.
-  An assignment outside `tolerance` is then improved by _rebalance.
+  The ranks form cp / group groups, each with a shared stream of group * R tokens whose cost its
+  ranks split evenly. For k = 0, 1, ...: the k largest segments (at least every one longer than a
+  local region) are shared, each in the group whose ranks carry the least shared cost and that
+  has room; the rest go longest first to the cheapest rank with room (LPT); one that finds no
+  room goes to a group's shared stream if one has room left (the exchange moves R tokens per rank
+  whether or not they are used, so filling it is free), else it is evicted (evict=True) or that k
+  fails. An assignment outside `tolerance` is then improved by _rebalance.
   Scored by the costliest rank over the mean, times the tokens of the row over those placed;
   the first k within `tolerance` on both counts wins, else the best score. None when no k fits.
   """
   n = length.size
+  n_groups = cp // group
   total = max(int(length.sum()), 1)
   order = np.argsort(-length, kind="stable")
   n_must = int((length > capacity).sum())
   pre_evicted = np.zeros(n, bool)
-  if evict:  # segments too long for a local region that the shared one cannot take either
-    room = shared_budget
+  if evict:  # segments too long for a local region that no shared stream can take either
+    room = np.full(n_groups, group * r_tokens, np.int64)
     for g in order[:n_must]:
-      if length[g] <= room:
-        room -= length[g]
+      j = int(np.argmax(room))
+      if length[g] <= room[j]:
+        room[j] -= length[g]
       else:
         pre_evicted[g] = True
     must = order[:n_must]
@@ -180,13 +215,28 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared
     n -= int(pre_evicted.sum())
   best = None
   for k in range(n_must, n + 1):
-    shared_room = shared_budget - int(length[order[:k]].sum())
-    if shared_room < 0:
+    rank = np.where(pre_evicted, EVICTED, _UNPLACED).astype(np.int64)
+    group_room = np.full(n_groups, group * r_tokens, np.int64)
+    group_cost = np.zeros(n_groups)
+
+    def share(g):  # into the group with room whose ranks carry the least shared cost; False: none
+      fits = np.flatnonzero(group_room >= length[g])
+      if not fits.size:
+        return False
+      j = fits[np.argmin(group_cost[fits])]
+      rank[g] = shared_code(j)
+      group_room[j] -= length[g]
+      group_cost[j] += cost[g]
+      return True
+
+    if not all(share(g) for g in order[:k]):
       break
-    rank = np.where(pre_evicted, EVICTED, SHARED).astype(np.int64)
-    load = np.zeros(cp)
+    if n_groups > 1:  # the same moves and swaps between the groups' shared streams
+      in_group = np.where(_is_shared(rank), SHARED - rank, -1)
+      _rebalance(length, cost, in_group, group_cost, group_room)
+      rank = np.where(in_group >= 0, SHARED - in_group, rank)
+    load = np.repeat(group_cost / group, group)
     room = np.full(cp, capacity, np.int64)
-    shared_cost = float(cost[order[:k]].sum())
     placed = total - int(length[pre_evicted].sum())
     fits = True
     for g in order[k:n]:
@@ -196,9 +246,8 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared
         rank[g] = r
         load[r] += cost[g]
         room[r] -= length[g]
-      elif length[g] <= shared_room:
-        shared_room -= length[g]
-        shared_cost += cost[g]
+      elif share(g):
+        load = np.repeat(group_cost / group, group) + _local_load(rank, cost, cp)
       elif evict:
         rank[g] = EVICTED
         placed -= int(length[g])
@@ -207,9 +256,8 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared
         break
     if not fits:
       continue
-    if (load.max() + shared_cost / cp) > (1.0 + tolerance) * (load.mean() + shared_cost / cp):
+    if load.max() > (1.0 + tolerance) * load.mean():
       _rebalance(length, cost, rank, load, room)
-    load += shared_cost / cp
     mean = load.mean()
     imbalance = float(load.max() / mean) if mean > 0 else 1.0
     score = imbalance * total / max(placed, 1)
@@ -218,6 +266,12 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, shared
     if imbalance <= 1.0 + tolerance and total <= placed * (1.0 + tolerance):
       break
   return None if best is None else best[:2]
+
+
+def _local_load(rank: np.ndarray, cost: np.ndarray, cp: int) -> np.ndarray:
+  """Each rank's cost of its local segments."""
+  local = rank >= 0
+  return np.bincount(rank[local], weights=cost[local], minlength=cp)
 
 
 def _rebalance(length: np.ndarray, cost: np.ndarray, rank: np.ndarray, load: np.ndarray, room: np.ndarray):
@@ -275,8 +329,8 @@ def _zigzag_ranks(stream_seg: np.ndarray, cp: int) -> np.ndarray:
 def _row_assignment(seg: _Segments, cp: int, placement: DocumentPlacement, evict: bool, s: int):
   """(rank of every segment, max / mean cost) of one row's segments, or None when R is too small."""
   cost = placement.token_cost * seg.length + placement.pair_cost * seg.length.astype(np.float64) ** 2
-  return _assign(seg.length, cost, cp, placement.local_tokens(s, cp), cp * placement.shared_tokens,
-                 placement.tolerance, evict)
+  return _assign(seg.length, cost, cp, placement.local_tokens(s, cp), placement.shared_tokens,
+                 placement.tolerance, evict, placement.group_size(cp))
 
 
 def _row_permutation(row: np.ndarray, cp: int, placement: DocumentPlacement, evict: bool = False):
@@ -297,7 +351,8 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
   s = row.shape[0]
   shard = s // cp
   r_tokens = placement.shared_tokens
-  if r_tokens == shard and cp <= ALL_SHARED_BLOCKS_MAX_CP and s % (cp * ALL_SHARED_BLOCK) == 0:
+  group = placement.group_size(cp)
+  if r_tokens == shard and group == cp and cp <= ALL_SHARED_BLOCKS_MAX_CP and s % (cp * ALL_SHARED_BLOCK) == 0:
     order = balanced_blocks_order(row[None], cp, ALL_SHARED_BLOCK, np)[0]
     perm = (order[:, None] * ALL_SHARED_BLOCK + np.arange(ALL_SHARED_BLOCK)).reshape(s).astype(np.int32)
     return perm, np.zeros(s, bool)
@@ -323,20 +378,17 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
   is_local = local[token_run]
   dest[is_local] = dest_start[token_run[is_local]] + offset_in_run[is_local]
 
-  # Shared runs: a stream in row order, padded to cp * R and cut into zigzag pieces per run.
-  is_shared = (run_rank == SHARED)[token_run]
-  shared_tok = np.flatnonzero(is_shared)
-  stream = np.zeros(cp * r_tokens, row.dtype)
-  stream[:shared_tok.size] = row[shared_tok]
-  if stream.size:
-    stream_rank = _zigzag_ranks(stream, cp)
-    order = np.argsort(stream_rank, kind="stable")
-    slot = np.empty(stream.size, np.int64)
-    slot[order] = np.arange(stream.size) - np.repeat(np.arange(cp) * r_tokens, r_tokens)
-    stream_dest = stream_rank.astype(np.int64) * shard + capacity + slot
-    dest[shared_tok] = stream_dest[:shared_tok.size]
+  # Shared runs: each group's stream in row order, padded to group * R and laid out over the
+  # group's shared regions.
+  token_code = run_rank[token_run]
+  for j in range(cp // group):
+    shared_tok = np.flatnonzero(token_code == shared_code(j))
+    stream = np.zeros(group * r_tokens, row.dtype)
+    stream[:shared_tok.size] = row[shared_tok]
+    if stream.size:
+      dest[shared_tok] = (_stream_places(stream, group, r_tokens, shard, capacity) + j * group * shard)[:shared_tok.size]
 
-  # Padding fills every slot left: local gaps and the shared stream's tail.
+  # Padding fills every slot left: local gaps and the shared streams' tails.
   used = np.zeros(s, bool)
   used[dest[dest >= 0]] = True
   pad_tok = np.flatnonzero(dest < 0)
@@ -345,6 +397,25 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
   perm[dest] = np.arange(s, dtype=np.int32)
   evicted = ((run_rank == EVICTED) & real_run)[token_run]
   return perm, evicted
+
+
+def _stream_places(stream: np.ndarray, group: int, r_tokens: int, shard: int, capacity: int) -> np.ndarray:
+  """Where each token of a shared stream (group * R tokens, in row order, padding at the end)
+  goes, counted from the start of its group's first shard: the shared region (the last R tokens)
+  of one of the group's ranks. A stream that fills whole shards (R = S / cp) takes balanced
+  blocks of 128 tokens up to 4 ranks (see ALL_SHARED_BLOCKS_MAX_CP), zigzag pieces otherwise."""
+  n = stream.size
+  if r_tokens == shard and group <= ALL_SHARED_BLOCKS_MAX_CP and n % (group * ALL_SHARED_BLOCK) == 0:
+    order = balanced_blocks_order(stream[None], group, ALL_SHARED_BLOCK, np)[0]
+    perm = (order[:, None] * ALL_SHARED_BLOCK + np.arange(ALL_SHARED_BLOCK)).reshape(n)
+    places = np.empty(n, np.int64)
+    places[perm] = np.arange(n)
+    return places
+  stream_rank = _zigzag_ranks(stream, group)
+  order = np.argsort(stream_rank, kind="stable")
+  slot = np.empty(n, np.int64)
+  slot[order] = np.arange(n) - np.repeat(np.arange(group) * r_tokens, r_tokens)
+  return stream_rank.astype(np.int64) * shard + capacity + slot
 
 
 # ---------------------------------------------------------------- batches
@@ -437,7 +508,7 @@ def shared_sizes(seq_len: int, cp_size: int, fractions=DEFAULT_SHARED_FRACTIONS)
 
 
 def choose_placement(segment_ids, cp_size: int, sizes=None, *, token_cost: float = DEFAULT_TOKEN_COST,
-                     pair_cost: float = DEFAULT_PAIR_COST, tolerance: float = DEFAULT_TOLERANCE):
+                     pair_cost: float = DEFAULT_PAIR_COST, tolerance: float = DEFAULT_TOLERANCE, groups=None):
   """The DocumentPlacement for one batch and its permutation: the smallest shared size that
   places every row within `tolerance` of even work, else the one whose worst row is the most
   even (the largest, S / cp, always fits). Numpy only (an input pipeline's job).
@@ -448,18 +519,22 @@ def choose_placement(segment_ids, cp_size: int, sizes=None, *, token_cost: float
     sizes: ascending static shared sizes to choose from (default: shared_sizes(S, cp_size));
       each distinct size compiles its own program, so keep the list short.
     token_cost, pair_cost, tolerance: as in DocumentPlacement.
+    groups: the shared group sizes to choose from (DocumentPlacement.shared_group; each divides
+      cp_size; default: cp_size alone, every shared segment over all ranks). The candidates
+      (group g, size R) are tried by the tokens a rank receives, (g - 1) * R, fewest first.
 
   Returns:
     (placement, perm [B, S] int32, imbalance [B]: each row's costliest rank over the mean).
   """
   placement, perm, imbalance, _ = choose_with_eviction(
-      segment_ids, cp_size, sizes, token_cost=token_cost, pair_cost=pair_cost, tolerance=tolerance, evict=False)
+      segment_ids, cp_size, sizes, token_cost=token_cost, pair_cost=pair_cost, tolerance=tolerance, evict=False,
+      groups=groups)
   return placement, perm, imbalance
 
 
 def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: float = DEFAULT_TOKEN_COST,
                          pair_cost: float = DEFAULT_PAIR_COST, tolerance: float = DEFAULT_TOLERANCE,
-                         evict: bool = True, max_evicted: float = 0.02):
+                         evict: bool = True, max_evicted: float = 0.02, groups=None):
   """choose_placement that may leave segments out (evict=True): a local segment that finds no
   room in its row is marked evicted (an input pipeline packs it into a later row). A size is
   taken when every row is within `tolerance` of even work and at most `max_evicted` of the
@@ -471,12 +546,18 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
   sizes = shared_sizes(s, cp) if sizes is None else tuple(sorted(int(r) for r in sizes))
   if not sizes or sizes[-1] > s // cp or sizes[0] < 0:
     raise ValueError(f"sizes must be shared-region sizes in [0, S / cp = {s // cp}], got {sizes}.")
+  groups = (cp,) if groups is None else tuple(int(g) for g in groups)
+  if not groups or any(g < 1 or cp % g for g in groups):
+    raise ValueError(f"groups must be group sizes that divide cp_size = {cp}, got {groups}.")
+  # (g, R) by the tokens a rank receives, then the larger group (the same exchange, fewer limits).
+  candidates = sorted({(g, r) for g in groups for r in sizes}, key=lambda c: ((c[0] - 1) * c[1], c[1], -c[0]))
   rows = seg.reshape(-1, s)
   segments = [_segments(row) for row in rows]
   real_tokens = max(int((seg != 0).sum()), 1)
   best = None
-  for r in sizes:
-    placement = DocumentPlacement(r, token_cost, pair_cost, tolerance, cp_size=cp)
+  for g, r in candidates:
+    placement = DocumentPlacement(r, token_cost, pair_cost, tolerance, cp_size=cp,
+                                  shared_group=None if g == cp else g)
     assigned = [_row_assignment(g, cp, placement, evict, s) if cp > 1 else (np.zeros(g.length.size, np.int64), 1.0)
                 for g in segments]
     if any(a is None for a in assigned):
@@ -490,7 +571,8 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
     if worst <= 1.0 + tolerance and left_out <= max_evicted:
       break
   if best is None:
-    raise ValueError(f"no size in {sizes} places every row; add S / cp = {s // cp} (always fits).")
+    raise ValueError(f"no size in {sizes} (groups {groups}) places every row; add S / cp = {s // cp} with the "
+                     f"group size cp_size (always fits).")
   placement, assigned, _ = best
   perms = np.empty(rows.shape, np.int32)
   evicted = np.zeros(rows.shape, bool)
@@ -505,17 +587,23 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
 
 def placement_violations(permuted_segment_ids, cp_size: int, placement: DocumentPlacement) -> list[str]:
   """What makes a permuted layout unfit for `placement` (empty when it is fit): a segment id in
-  the local region of two ranks, or in a local region and the shared region. Numpy; for tests
-  and for checking a data pipeline."""
+  the local region of two ranks, in a local region and the shared region, or (shared_group) in
+  the shared regions of two groups. Numpy; for tests and for checking a data pipeline."""
   seg = np.asarray(permuted_segment_ids)
   cp = check_cp_size(cp_size)
   s = seg.shape[-1]
   capacity = placement.local_tokens(s, cp)
+  group = placement.group_size(cp)
   problems = []
   for b, row in enumerate(seg.reshape(-1, s)):
     shards = row.reshape(cp, s // cp)
     owner = {}
     shared = set(np.unique(shards[:, capacity:])) - {0}
+    group_of = {}
+    for j in range(cp // group):
+      for sid in set(np.unique(shards[j * group:(j + 1) * group, capacity:])) - {0}:
+        if group_of.setdefault(sid, j) != j:
+          problems.append(f"row {b}: segment {sid} is shared in groups {group_of[sid]} and {j}")
     for r in range(cp):
       for sid in set(np.unique(shards[r, :capacity])) - {0}:
         if sid in shared:
