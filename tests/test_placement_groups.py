@@ -3,6 +3,7 @@ segment spread over one group of ranks, the gather and the dK/dV exchange within
 layout's invariants, choose_placement's choice among groups, and values and gradients equal to
 the unsharded call on 8 host devices (jit partitioning with cp and dp x cp meshes, shard_map)
 with a compiled HLO that gathers only the group's shared regions."""
+import functools
 import re
 
 import jax
@@ -140,11 +141,11 @@ def test_jit_grouped_placement_matches_unsharded(cpu_devices, mesh_shape, groups
   args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
   f = jax.jit(_fwd_bwd(placement, MASKS[mask_name]))
   text = f.lower(*args).compile().as_text()
-  # The group's shared regions only (g * R tokens, packed K, V and the key tokens' arrays), in
-  # the forward and again in the backward (groups keep nothing), in groups of g ranks; Q never.
+  # The group's shared regions only (g * R tokens, packed K, V and the key tokens' arrays), once:
+  # the forward keeps its group's for the backward; in groups of g ranks; Q never.
   lines = [line for line in text.splitlines() if re.search(r" all-gather\(", line)]
   gathered = [[int(x) for x in re.search(r"= [fsu]32\[([\d,]+)\]", line).group(1).split(",")] for line in lines]
-  assert gathered and all(dims == [B // dp, g * r, 2 * HKV * D + 2] for dims in gathered), gathered
+  assert len(gathered) == 1 and gathered[0] == [B // dp, g * r, 2 * HKV * D + 2], gathered
   assert all(re.search(r"replica_groups=\{(\{[\d,]+\},?)+\}", line) for line in lines)
   assert all(len(grp.split(",")) == g for line in lines
              for grp in re.findall(r"\{([\d,]+)\}", re.search(r"replica_groups=\{(.*?)\}\}", line).group(1) + "}"))
@@ -163,6 +164,28 @@ def test_shard_map_grouped_placement(cpu_devices):
   body = _fwd_bwd(placement, MASKS["causal"], axis="cp")
   f = jax.jit(shard_map(body, mesh=mesh, in_specs=(s4, s4, s4, s4, s2, s2), out_specs=(s4, s4, s4, s4)))
   stable = f.lower(*arrays).as_text()
-  assert len(re.findall(r"stablehlo\.all_gather\b", stable)) == 2
+  assert len(re.findall(r"stablehlo\.all_gather\b", stable)) == 1  # kept for the backward
   assert len(re.findall(r"stablehlo\.all_to_all\b", stable)) == 1
   _check(f(*arrays), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
+
+
+def test_grouped_placement_with_heads_sharded_under_remat_and_vmap(cpu_devices):
+  """tp x cp (heads over tp) with groups of 2: the kept per-rank blocks are residuals like any
+  other under jax.checkpoint (recomputed, or saved by name), and vmap folds them into the batch."""
+  placement, arrays = _placed(4, sizes=(8,), groups=(2,), tolerance=10.0)
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("tp", "cp"))
+  s4, s2 = NamedSharding(mesh, P(None, "cp", "tp", None)), NamedSharding(mesh, P(None, "cp"))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  want = jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays)
+  _check(jax.jit(_fwd_bwd(placement, MASKS["causal"]))(*args), want)
+  policy = jax.checkpoint_policies.save_only_these_names("jaxcp_attention_gathered")
+  for remat in (jax.checkpoint, functools.partial(jax.checkpoint, policy=policy)):
+    def run(q, k, v, dout, seg, pos, remat=remat):
+      f = remat(lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=True,
+                                                context_parallel=placement))
+      out, vjp = jax.vjp(f, q, k, v)
+      return (out, *vjp(dout))
+    _check(jax.jit(run)(*args), want)
+  got = jax.jit(jax.vmap(_fwd_bwd(placement, MASKS["causal"])))(*[jnp.stack([x, x]) for x in args])
+  _check([g[0] for g in got], want)
+  _check([g[1] for g in got], want)

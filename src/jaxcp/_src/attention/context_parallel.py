@@ -179,11 +179,16 @@ def _regions(placement: DocumentPlacement, shard_len: int):
 
 def keeps_gathered(strategy) -> bool:
   """True when the forward returns the shared K/V it gathered (and the token arrays that go with
-  them) for the backward: a DocumentPlacement with a shared region that knows its ranks and
-  spreads it over all of them (groups gather different keys: nothing replicated to keep)."""
+  them) for the backward: a DocumentPlacement with a shared region that knows its ranks."""
   return (isinstance(strategy, DocumentPlacement) and strategy.shared_tokens > 0
-          and strategy.cp_size is not None and strategy.cp_size > 1
-          and strategy.group_size(strategy.cp_size) == strategy.cp_size)
+          and strategy.cp_size is not None and strategy.cp_size > 1)
+
+
+def kept_per_rank(placement: DocumentPlacement) -> bool:
+  """True when the kept arrays differ between ranks (groups gather different keys): they are
+  then sharded over the context-parallel axis, each rank's block its group's g * R tokens;
+  otherwise every rank keeps the same cp * R tokens (replicated)."""
+  return placement.group_size(placement.cp_size) < placement.cp_size
 
 
 def _axis_groups(placement: DocumentPlacement):
@@ -195,21 +200,32 @@ def _axis_groups(placement: DocumentPlacement):
   return [list(range(j * g, (j + 1) * g)) for j in range(cp // g)]
 
 
-def gathered_shapes(placement: DocumentPlacement, k, v):
-  """Shapes of what keeps_gathered keeps: K, V, segment ids and positions of cp * R key tokens."""
-  b, _, hkv, d = k.shape
+def gathered_tokens(placement: DocumentPlacement) -> int:
+  """Key tokens of what keeps_gathered keeps: cp * R (kept_per_rank: cp blocks of g * R, one per
+  rank)."""
   n = placement.cp_size * placement.shared_tokens
+  return n * placement.group_size(placement.cp_size) if kept_per_rank(placement) else n
+
+
+def gathered_shapes(placement: DocumentPlacement, k, v):
+  """Shapes of what keeps_gathered keeps: K, V, segment ids and positions of its key tokens."""
+  b, _, hkv, d = k.shape
+  n = gathered_tokens(placement)
   return (b, n, hkv, d), (b, n, hkv, v.shape[3]), (b, n), (b, n)
 
 
 def shared_of_row(placement: DocumentPlacement, k, v, kv_seg, kv_pos):
   """What the ranks' all-gather of their shared regions gives, taken from an unsharded row (every
-  rank's last R of its S / cp tokens, in rank order)."""
-  cp, r = placement.cp_size, placement.shared_tokens
+  rank's last R of its S / cp tokens, in rank order; kept_per_rank: for each rank in turn, those
+  of its group's ranks)."""
+  cp, r, g = placement.cp_size, placement.shared_tokens, placement.group_size(placement.cp_size)
 
   def take(x):
     b, s, *rest = x.shape
-    return x.reshape(b, cp, s // cp, *rest)[:, :, s // cp - r:].reshape(b, cp * r, *rest)
+    regions = x.reshape(b, cp, s // cp, *rest)[:, :, s // cp - r:]
+    if kept_per_rank(placement):  # rank i's block: the regions of ranks i // g * g .. + g - 1
+      return jnp.repeat(regions.reshape(b, cp // g, g * r, *rest), g, axis=1).reshape(b, cp * g * r, *rest)
+    return regions.reshape(b, cp * r, *rest)
 
   return tuple(take(x) for x in (k, v, kv_seg, kv_pos))
 
@@ -299,10 +315,10 @@ def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dls
     return run_local(*args)
   if kept:
     dq_shared, dkg, dvg = run(query_args(c, n, *per_query), *kept)
-    blocks, finish = _scatter_parts(cp_size, (dkg, dvg))
+    blocks, finish = _scatter_parts(ranks, (dkg, dvg))
     if not c:
-      return (dq_shared, *finish(_all_to_all(axis, blocks)))
-    local_grads, arrived = _overlapped(lambda m: _all_to_all(axis, m), blocks, run_local, args)
+      return (dq_shared, *finish(_all_to_all(axis, blocks, groups)))
+    local_grads, arrived = _overlapped(lambda m: _all_to_all(axis, m, groups), blocks, run_local, args)
     shared_grads = (dq_shared, *finish(arrived))
   else:
     shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)

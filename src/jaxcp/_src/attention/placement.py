@@ -78,8 +78,8 @@ class DocumentPlacement:
     shared_group: g, the ranks each shared segment is spread over: consecutive groups of g ranks
       (ranks j * g to j * g + g - 1), g dividing cp_size (which it needs); the shared region's
       gather and its dK/dV exchange then run within each group, (g - 1) * R tokens received per
-      rank instead of (cp - 1) * R. The forward does not keep the gathered keys then (they
-      differ between groups): the backward gathers them again. None: all cp ranks.
+      rank instead of (cp - 1) * R; what the forward keeps for the backward is its group's
+      g * R gathered tokens. None: all cp ranks.
   """
   shared_tokens: int
   token_cost: float = DEFAULT_TOKEN_COST

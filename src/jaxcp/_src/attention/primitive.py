@@ -19,7 +19,7 @@ from .. import compat, cuda_capabilities
 from ..kernel_options import AttentionKernelOptions
 from ..mask_spec import MaskSpec
 from ..primitive_utils import make_primitive, register_ffi_lowering
-from .context_parallel import gathered_shapes, keeps_gathered
+from .context_parallel import gathered_shapes, kept_per_rank, keeps_gathered
 
 FWD_TARGET = "jaxcp_attention_fwd"
 BWD_TARGET = "jaxcp_attention_bwd"
@@ -129,15 +129,17 @@ def bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, conf
 def _fwd_public_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, config):
   """(out, lse), then, for a DocumentPlacement that keeps what its forward gathered
   (context_parallel.keeps_gathered), the gathered shared K, V, segment ids and positions: the
-  same on every rank (replicated over the context-parallel axis)."""
+  same on every rank (replicated over the context-parallel axis), or with grouped shared regions
+  each rank's own block (sharded over it)."""
   outs = _fwd_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config)
   if not keeps_gathered(config.context_parallel):
     return outs
   kg, vg, seg_g, pos_g = gathered_shapes(config.context_parallel, k, v)
-  return outs + (compat.derived_aval(k, kg, k.dtype, (0, None, 2, 3)),
-                 compat.derived_aval(v, vg, v.dtype, (0, None, 2, 3)),
-                 compat.derived_aval(kv_seg, seg_g, kv_seg.dtype, (0, None)),
-                 compat.derived_aval(kv_pos, pos_g, kv_pos.dtype, (0, None)))
+  seq = 1 if kept_per_rank(config.context_parallel) else None  # sharded like the keys, or replicated
+  return outs + (compat.derived_aval(k, kg, k.dtype, (0, seq, 2, 3)),
+                 compat.derived_aval(v, vg, v.dtype, (0, seq, 2, 3)),
+                 compat.derived_aval(kv_seg, seg_g, kv_seg.dtype, (0, seq)),
+                 compat.derived_aval(kv_pos, pos_g, kv_pos.dtype, (0, seq)))
 
 
 def _bwd_public_abstract(*args, config):

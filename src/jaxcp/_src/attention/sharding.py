@@ -30,7 +30,8 @@ from .primitive import attention_bwd_p, attention_fwd_p, bwd_kernel, fwd_kernel
 # and the backward's
 #   q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos[, the forward's kept arrays]
 # where a DocumentPlacement keeps what its forward gathered (context_parallel.keeps_gathered):
-# the forward returns them after (out, lse), replicated over the context-parallel axis.
+# the forward returns them after (out, lse), replicated over the context-parallel axis, or with
+# grouped shared regions sharded over it (each rank's block its group's gathered tokens).
 _BWD_ARGS = 11
 
 
@@ -114,10 +115,12 @@ def _kv_head_slicer(layout: Layout, hq: int, n_heads: int):
 
 
 def _kept_shardings(layout, keep):
-  """Of the forward's kept arrays: every rank holds all of them (no sequence sharding)."""
+  """Of the forward's kept arrays: every rank holds all of them (no sequence sharding), or with
+  grouped shared regions (keep == "per_rank") its own block of them."""
   if not keep:
     return ()
-  kv, tok = P(layout.batch, None, layout.kv_heads, None), P(layout.batch, None)
+  seq = layout.kv_seq if keep == "per_rank" else None
+  kv, tok = P(layout.batch, seq, layout.kv_heads, None), P(layout.batch, seq)
   return (kv, kv, tok, tok)
 
 
@@ -135,7 +138,11 @@ def _bwd_shardings(layout, keep):
 
 
 def _keeps(config):
-  return context_parallel.keeps_gathered(config.context_parallel)
+  """False, True (the kept arrays replicated over the CP axis) or "per_rank" (sharded over it)."""
+  strategy = config.context_parallel
+  if not context_parallel.keeps_gathered(strategy):
+    return False
+  return "per_rank" if context_parallel.kept_per_rank(strategy) else True
 
 
 def _with_head(x, h, like_heads):
@@ -196,9 +203,21 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
 _KEPT_FACTORS = ", b u g d, b u g e, b u, b u"  # u: the gathered shared tokens
 
 
+def _rule(config, rule, kv_len):
+  """A sharding rule string (t: the key tokens) with the kept arrays' factors after each `{kept}`,
+  and its factor sizes. Kept per rank, the key tokens are (c x), c the CP ranks, and the kept ones
+  (c u): sharding the keys over the CP axis shards the kept blocks over it too."""
+  keep = _keeps(config)
+  if keep != "per_rank":
+    return rule.replace("{kept}", _KEPT_FACTORS if keep else "")
+  cp = config.context_parallel.cp_size
+  rule = rule.replace("{kept}", _KEPT_FACTORS.replace(" u", " (c u)")).replace(" t", " (c x)")
+  return rule, dict(c=cp, x=kv_len // cp, u=context_parallel.gathered_tokens(config.context_parallel) // cp)
+
+
 def _fwd_rule(config, mesh, value_types, result_types):
-  rule = "b s h d, b t g d, b t g e, b s, b s, b t, b t -> b s h e, b h s"  # e: V's head dim
-  return rule + (_KEPT_FACTORS if _keeps(config) else "")
+  rule = "b s h d, b t g d, b t g e, b s, b s, b t, b t -> b s h e, b h s{kept}"  # e: V's head dim
+  return _rule(config, rule, value_types[1].shape[1])
 
 
 # ---------------------------------------------------------------- backward
@@ -248,8 +267,8 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
 
 
 def _bwd_rule(config, mesh, value_types, result_types):
-  operands = "b s h d, b t g d, b t g e, b s h e, b h s, b s h e, b h s, b s, b s, b t, b t"
-  return operands + (_KEPT_FACTORS if _keeps(config) else "") + " -> b s h d, b t g d, b t g e"
+  rule = "b s h d, b t g d, b t g e, b s h e, b h s, b s h e, b h s, b s, b s, b t, b t{kept} -> b s h d, b t g d, b t g e"
+  return _rule(config, rule, value_types[1].shape[1])
 
 
 # ---------------------------------------------------------------- wiring
