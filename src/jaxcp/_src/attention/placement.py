@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 
 import jax
@@ -229,7 +230,16 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, r_toke
       group_cost[j] += cost[g]
       return True
 
-    if not all(share(g) for g in order[:k]):
+    if n_groups > 1:
+      head = _best_group_head(order[:k], length, cost, n_groups, group * r_tokens)
+      if head is None:
+        break
+      for g, j in zip(order[:len(head)], head):
+        rank[g], group_room[j], group_cost[j] = shared_code(j), group_room[j] - length[g], group_cost[j] + cost[g]
+      k_rest = order[len(head):k]
+    else:
+      k_rest = order[:k]
+    if not all(share(g) for g in k_rest):
       break
     if n_groups > 1:  # the same moves and swaps between the groups' shared streams
       in_group = np.where(_is_shared(rank), SHARED - rank, -1)
@@ -266,6 +276,40 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, r_toke
     if imbalance <= 1.0 + tolerance and total <= placed * (1.0 + tolerance):
       break
   return None if best is None else best[:2]
+
+
+# Group assignments of the largest shared segments tried (see _best_group_head), with at most
+# _GROUP_SEARCH_MAX_GROUPS groups (more groups: longest first alone).
+_GROUP_SEARCH, _GROUP_SEARCH_MAX_GROUPS = 64, 4
+
+
+def _best_group_head(segs, length, cost, n_groups: int, room: int):
+  """The groups of the largest few of `segs` (longest first) that, with the rest shared longest
+  first into the cheapest group with room, leave the costliest group cheapest: every assignment of
+  the first m (n_groups ** m <= _GROUP_SEARCH) is tried. Longest-first alone lands a few percent
+  above even when the groups' streams are nearly full. None when no assignment fits."""
+  m = 0
+  while n_groups <= _GROUP_SEARCH_MAX_GROUPS and m < len(segs) and n_groups ** (m + 1) <= _GROUP_SEARCH:
+    m += 1
+  lens, costs = [int(length[g]) for g in segs], [float(cost[g]) for g in segs]
+  best = None
+  for head in itertools.product(range(n_groups), repeat=m):
+    left, load = [room] * n_groups, [0.0] * n_groups
+    fits = True
+    for i, l in enumerate(lens):
+      if i < m:
+        j = head[i]
+      else:
+        open_groups = [j for j in range(n_groups) if left[j] >= l]
+        j = min(open_groups, key=load.__getitem__) if open_groups else -1
+      if j < 0 or left[j] < l:
+        fits = False
+        break
+      left[j] -= l
+      load[j] += costs[i]
+    if fits and (best is None or max(load) < best[0]):
+      best = (max(load), head)
+  return None if best is None else best[1]
 
 
 def _local_load(rank: np.ndarray, cost: np.ndarray, cp: int) -> np.ndarray:
