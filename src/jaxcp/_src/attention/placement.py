@@ -220,27 +220,16 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, r_toke
     group_room = np.full(n_groups, group * r_tokens, np.int64)
     group_cost = np.zeros(n_groups)
 
-    def share(g):  # into the group with room whose ranks carry the least shared cost; False: none
-      fits = np.flatnonzero(group_room >= length[g])
-      if not fits.size:
-        return False
-      j = fits[np.argmin(group_cost[fits])]
+    def share(g, j):
       rank[g] = shared_code(j)
       group_room[j] -= length[g]
       group_cost[j] += cost[g]
-      return True
 
-    if n_groups > 1:
-      head = _best_group_head(order[:k], length, cost, n_groups, group * r_tokens)
-      if head is None:
-        break
-      for g, j in zip(order[:len(head)], head):
-        rank[g], group_room[j], group_cost[j] = shared_code(j), group_room[j] - length[g], group_cost[j] + cost[g]
-      k_rest = order[len(head):k]
-    else:
-      k_rest = order[:k]
-    if not all(share(g) for g in k_rest):
+    shared_groups = _group_assignment(order[:k], length, cost, n_groups, group * r_tokens)
+    if shared_groups is None:
       break
+    for g, j in zip(order[:k], shared_groups):
+      share(g, j)
     if n_groups > 1:  # the same moves and swaps between the groups' shared streams
       in_group = np.where(_is_shared(rank), SHARED - rank, -1)
       _rebalance(length, cost, in_group, group_cost, group_room)
@@ -256,8 +245,10 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, r_toke
         rank[g] = r
         load[r] += cost[g]
         room[r] -= length[g]
-      elif share(g):
-        load = np.repeat(group_cost / group, group) + _local_load(rank, cost, cp)
+      elif (fits_group := np.flatnonzero(group_room >= length[g])).size:
+        j = fits_group[np.argmin(group_cost[fits_group])]  # the cheapest group with room
+        share(g, j)
+        load[j * group:(j + 1) * group] += cost[g] / group
       elif evict:
         rank[g] = EVICTED
         placed -= int(length[g])
@@ -278,44 +269,37 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, r_toke
   return None if best is None else best[:2]
 
 
-# Group assignments of the largest shared segments tried (see _best_group_head), with at most
+# Group assignments of the largest shared segments tried (see _group_assignment), with at most
 # _GROUP_SEARCH_MAX_GROUPS groups (more groups: longest first alone).
 _GROUP_SEARCH, _GROUP_SEARCH_MAX_GROUPS = 64, 4
 
 
-def _best_group_head(segs, length, cost, n_groups: int, room: int):
-  """The groups of the largest few of `segs` (longest first) that, with the rest shared longest
-  first into the cheapest group with room, leave the costliest group cheapest: every assignment of
-  the first m (n_groups ** m <= _GROUP_SEARCH) is tried. Longest-first alone lands a few percent
-  above even when the groups' streams are nearly full. None when no assignment fits."""
+def _group_assignment(segs, length, cost, n_groups: int, room: int):
+  """The group of each of `segs` (longest first) in the shared streams (`room` tokens each), or
+  None when they do not fit: longest first into the cheapest group with room, after the groups
+  of the largest few that leave the costliest group cheapest (every assignment of the first m,
+  n_groups ** m <= _GROUP_SEARCH, is tried: longest first alone lands a few percent above even
+  when the streams are nearly full)."""
   m = 0
-  while n_groups <= _GROUP_SEARCH_MAX_GROUPS and m < len(segs) and n_groups ** (m + 1) <= _GROUP_SEARCH:
+  while 1 < n_groups <= _GROUP_SEARCH_MAX_GROUPS and m < len(segs) and n_groups ** (m + 1) <= _GROUP_SEARCH:
     m += 1
   lens, costs = [int(length[g]) for g in segs], [float(cost[g]) for g in segs]
   best = None
   for head in itertools.product(range(n_groups), repeat=m):
-    left, load = [room] * n_groups, [0.0] * n_groups
-    fits = True
+    left, load, groups = [room] * n_groups, [0.0] * n_groups, list(head)
     for i, l in enumerate(lens):
-      if i < m:
-        j = head[i]
-      else:
+      if i >= m:
         open_groups = [j for j in range(n_groups) if left[j] >= l]
-        j = min(open_groups, key=load.__getitem__) if open_groups else -1
+        groups.append(min(open_groups, key=load.__getitem__) if open_groups else -1)
+      j = groups[i]
       if j < 0 or left[j] < l:
-        fits = False
         break
       left[j] -= l
       load[j] += costs[i]
-    if fits and (best is None or max(load) < best[0]):
-      best = (max(load), head)
+    else:
+      if best is None or max(load) < best[0]:
+        best = (max(load), groups)
   return None if best is None else best[1]
-
-
-def _local_load(rank: np.ndarray, cost: np.ndarray, cp: int) -> np.ndarray:
-  """Each rank's cost of its local segments."""
-  local = rank >= 0
-  return np.bincount(rank[local], weights=cost[local], minlength=cp)
 
 
 def _rebalance(length: np.ndarray, cost: np.ndarray, rank: np.ndarray, load: np.ndarray, room: np.ndarray):
