@@ -325,14 +325,15 @@ def test_shard_map_placement(cpu_devices, shared, keep):
   text = lowered.compile().as_text()
   assert ("all-gather" in text) == (shared > 0)
   # K, V, segment ids and positions travel packed (one all-gather per direction, or only the
-  # forward's when it keeps them; one all-to-all for dK/dV), and where there is a local part two
-  # optimization barriers per direction hold it inside the exchange (the gather's start and done,
-  # or with kept K/V the backward's all-to-all).
+  # forward's when it keeps them; one all-to-all for dK/dV), and two optimization barriers per
+  # direction hold the work that needs no other rank's keys (the local part, the shared queries
+  # against the rank's own shared keys) inside the exchange (the gather's start and done, or with
+  # kept K/V the backward's all-to-all).
   count = lambda op: len(re.findall(rf"stablehlo\.{op}\b", lowered.as_text()))
-  has_local, has_shared = shared < S // 4, shared > 0
+  has_shared = shared > 0
   assert count("all_gather") == ((1 if keep else 2) if has_shared else 0)
   assert count("all_to_all") == (1 if has_shared else 0)
-  assert count("optimization_barrier") == (4 if has_local and has_shared else 0)
+  assert count("optimization_barrier") == (4 if has_shared else 0)
   _check(f(*arrays), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .. import compat
 from .placement import DocumentPlacement
 
 STRATEGIES = ("auto", "all_gather", "ring")
@@ -245,50 +246,67 @@ def _overlapped(collective, moved, run_local, local_args):
   return local, arrived
 
 
-def _gather_while(axis, xs, run_local, local_args, groups=None):
-  """`_gather(axis, xs, groups)` while `run_local(*local_args)` runs (see _overlapped)."""
-  moved, unpack = _pack(xs)
-  local, gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, run_local, local_args)
-  return local, unpack(gathered)
-
-
 def _shared_kv(c, k, v, kv_seg, kv_pos):
   """The shard's shared K/V region and its key tokens' arrays, to be gathered from every rank."""
   return tuple(x[:, c:] for x in (k, v, kv_seg, kv_pos))
 
 
-def placed_fwd(placement, local_fwd, axis, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+def axis_index(axes):
+  """Linear index of this shard along (possibly several) mesh axes, in the order the
+  collectives over `axes` lay the ranks out."""
+  if isinstance(axes, str):
+    axes = (axes,)
+  idx = 0
+  for a in axes:
+    idx = idx * compat.axis_size(a) + jax.lax.axis_index(a)
+  return idx
+
+
+def _without_own(placement, axis, cp_size, seg_g):
+  """The gathered shared segment ids with this rank's own block made padding (segment 0): the
+  rank attends to its own shared keys while the exchange is in flight, and to the others' after."""
+  r, ranks = placement.shared_tokens, placement.group_size(cp_size)
+  own = axis_index(axis) % ranks  # groups are consecutive ranks; the gather is in rank order
+  return jax.lax.dynamic_update_slice_in_dim(seg_g, jnp.zeros((seg_g.shape[0], r), seg_g.dtype), own * r, axis=1)
+
+
+def placed_fwd(placement, local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """Local queries against local keys (no communication); shared queries against the shared
-  keys of every rank (of the rank's group), the only exchange, in flight while the local kernel
-  runs. Two independent problems: no merge. Returns (out, lse, kept): kept is the gathered shared
-  K/V and their token arrays when keeps_gathered(placement), else ()."""
+  keys of every rank (of the rank's group), the only exchange. While it is in flight the local
+  part runs, and the shared queries attend to the rank's own shared keys; they attend to the
+  others' after, and the two partial softmaxes merge. Returns (out, lse, kept): kept is the
+  gathered shared K/V and their token arrays when keeps_gathered(placement), else ()."""
   c, r = _regions(placement, q.shape[1])
-  groups = _axis_groups(placement)
   args = (q, k, v, q_seg, q_pos, kv_seg, kv_pos)
   run_local = lambda *a: local_fwd(*(x[:, :c] for x in a))
   if not r:
     return (*run_local(*args), ())
-  shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
-  if c:
-    local_out, gathered = _gather_while(axis, shared_kv, run_local, args, groups)
-  else:
-    gathered = _gather(axis, shared_kv, groups)
-  shared_out = local_fwd(q[:, c:], *gathered[:2], q_seg[:, c:], q_pos[:, c:], *gathered[2:])
-  kept = tuple(gathered) if keeps_gathered(placement) else ()
+
+  def unexchanged(*a):  # what needs no other rank's keys
+    return run_local(*a) if c else None, local_fwd(*(x[:, c:] for x in a))
+
+  moved, unpack = _pack(_shared_kv(c, k, v, kv_seg, kv_pos))
+  groups = _axis_groups(placement)
+  (local_out, own), gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, unexchanged, args)
+  kg, vg, seg_g, pos_g = unpack(gathered)
+  others = local_fwd(q[:, c:], kg, vg, q_seg[:, c:], q_pos[:, c:], _without_own(placement, axis, cp_size, seg_g), pos_g)
+  out, lse = _merge(own[0].astype(jnp.float32), own[1], *others)
+  kept = (kg, vg, seg_g, pos_g) if keeps_gathered(placement) else ()
   if not c:
-    return (*shared_out, kept)
-  return (jnp.concatenate([local_out[0], shared_out[0]], axis=1),
-          jnp.concatenate([local_out[1], shared_out[1]], axis=2), kept)
+    return out.astype(q.dtype), lse, kept
+  return (jnp.concatenate([local_out[0], out.astype(q.dtype)], axis=1),
+          jnp.concatenate([local_out[1], lse], axis=2), kept)
 
 
 def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos,
                kept=()):
   """Gradients of placed_fwd; only the shared keys' dK/dV are summed over the ranks.
 
-  With the forward's gathered shared K/V (kept), the shared part runs first and its dK/dV
-  all-to-all is in flight while the local part runs: no exchange waits. Without them, the shared
-  keys are gathered again (memory stays O(local)) while the local part runs, and the all-to-all
-  follows the shared part. With groups (shared_group) every exchange runs within the group."""
+  With the forward's gathered shared K/V (kept), the shared queries' part against the other
+  ranks' keys runs first, and its dK/dV all-to-all is in flight while the local part and the
+  part against the rank's own shared keys run: no exchange waits. Without them, the shared keys
+  are gathered again (memory stays O(local)) while those parts run, and the all-to-all follows
+  the rest. With groups (shared_group) every exchange runs within the group."""
   c, r = _regions(placement, q.shape[1])
   n = q.shape[1]
   groups = _axis_groups(placement)
@@ -297,50 +315,54 @@ def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dls
   def part(x, lo, hi, axis_=1):
     return jax.lax.slice_in_dim(x, lo, hi, axis=axis_)
 
-  def query_args(lo, hi, q, out, lse, dout, dlse, q_seg, q_pos):  # the per-query arguments of [lo, hi)
-    return (part(q, lo, hi), part(out, lo, hi), part(lse, lo, hi, 2), part(dout, lo, hi), part(dlse, lo, hi, 2),
-            part(q_seg, lo, hi), part(q_pos, lo, hi))
+  def run(lo, hi, per_query, kg, vg, seg_g, pos_g):  # the queries [lo, hi) against the keys given
+    qq, o, l, do, dl, qs, qp = per_query
+    return local_bwd(part(qq, lo, hi), kg, vg, part(o, lo, hi), part(l, lo, hi, 2), part(do, lo, hi),
+                     part(dl, lo, hi, 2), part(qs, lo, hi), part(qp, lo, hi), seg_g, pos_g)
 
-  def run(queries, kg, vg, seg_g, pos_g):
-    qq, o, l, do, dl, qs, qp = queries
-    return local_bwd(qq, kg, vg, o, l, do, dl, qs, qp, seg_g, pos_g)
+  def run_keys(lo, hi, *a):  # the queries and keys [lo, hi)
+    return run(lo, hi, a[:7], *(part(x, lo, hi) for x in a[7:]))
 
   per_query = (q, out, lse, dout, dlse, q_seg, q_pos)
-
-  def run_local(*a):
-    return run(query_args(0, c, *a[:7]), *(part(x, 0, c) for x in a[7:]))
-
   args = (*per_query, k, v, kv_seg, kv_pos)
   if not r:
-    return run_local(*args)
+    return run_keys(0, c, *args)
+
+  def unexchanged(*a):  # what needs no other rank's keys
+    return run_keys(0, c, *a) if c else None, run_keys(c, n, *a)
+
+  def others(kg, vg, seg_g, pos_g):
+    return run(c, n, per_query, kg, vg, _without_own(placement, axis, cp_size, seg_g), pos_g)
+
+  exchange = lambda m: _all_to_all(axis, m, groups)
   if kept:
-    dq_shared, dkg, dvg = run(query_args(c, n, *per_query), *kept)
+    dq_others, dkg, dvg = others(*kept)
     blocks, finish = _scatter_parts(ranks, (dkg, dvg))
-    if not c:
-      return (dq_shared, *finish(_all_to_all(axis, blocks, groups)))
-    local_grads, arrived = _overlapped(lambda m: _all_to_all(axis, m, groups), blocks, run_local, args)
-    shared_grads = (dq_shared, *finish(arrived))
+    (local_grads, own), arrived = _overlapped(exchange, blocks, unexchanged, args)
   else:
-    shared_kv = _shared_kv(c, k, v, kv_seg, kv_pos)
-    if c:
-      local_grads, gathered = _gather_while(axis, shared_kv, run_local, args, groups)
-    else:
-      gathered = _gather(axis, shared_kv, groups)
-    dq, dkg, dvg = run(query_args(c, n, *per_query), *gathered)
-    shared_grads = (dq, *_sum_scatter(axis, ranks, (dkg, dvg), groups))
-    if not c:
-      return shared_grads
+    moved, unpack = _pack(_shared_kv(c, k, v, kv_seg, kv_pos))
+    (local_grads, own), gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, unexchanged, args)
+    dq_others, dkg, dvg = others(*unpack(gathered))
+    blocks, finish = _scatter_parts(ranks, (dkg, dvg))
+    arrived = exchange(blocks)
+  dq = (dq_others.astype(jnp.float32) + own[0].astype(jnp.float32)).astype(q.dtype)
+  shared_grads = (dq, *finish(arrived, own[1:]))
+  if not c:
+    return shared_grads
   return tuple(jnp.concatenate(pair, axis=1) for pair in zip(local_grads, shared_grads))
 
 
 def _scatter_parts(cp_size, xs):
-  """The all-to-all of _sum_scatter in two halves: (the blocks to send, the function that sums
-  the blocks that arrive)."""
+  """The all-to-all of a sum-scatter in two halves: (the blocks to send, the function that sums
+  the blocks that arrive, and `extra` arrays like xs', in float32)."""
   moved, unpack = _pack(xs, as_bits=False)
   blocks = tuple(x.reshape(x.shape[0], cp_size, x.shape[1] // cp_size, *x.shape[2:]) for x in moved)
 
-  def finish(arrived):  # block j: from rank j
-    return unpack(tuple(jnp.sum(m.astype(jnp.float32), axis=1).astype(m.dtype) for m in arrived))
+  def finish(arrived, extra=()):  # block j: from rank j
+    sums = unpack(tuple(jnp.sum(m.astype(jnp.float32), axis=1) for m in arrived))
+    if extra:
+      sums = tuple(s + e.astype(jnp.float32) for s, e in zip(sums, extra))
+    return tuple(s.astype(x.dtype) for s, x in zip(sums, xs))
 
   return blocks, finish
 
@@ -365,7 +387,7 @@ def _sum_scatter(axis, ranks, xs, groups=None):
 def cp_fwd(strategy, local_fwd, axis, cp_size, *args):
   """(out, lse, kept): kept as placed_fwd's, () for the other strategies."""
   if isinstance(strategy, DocumentPlacement):
-    return placed_fwd(strategy, local_fwd, axis, *args)
+    return placed_fwd(strategy, local_fwd, axis, cp_size, *args)
   if strategy == "ring":
     return (*ring_fwd(local_fwd, axis, cp_size, *args), ())
   return (*all_gather_fwd(local_fwd, axis, *args), ())

@@ -35,16 +35,6 @@ from .primitive import attention_bwd_p, attention_fwd_p, bwd_kernel, fwd_kernel
 _BWD_ARGS = 11
 
 
-def _axis_index(axes):
-  """Linear index of this shard along (possibly several) mesh axes."""
-  if isinstance(axes, str):
-    axes = (axes,)
-  idx = 0
-  for a in axes:
-    idx = idx * compat.axis_size(a) + jax.lax.axis_index(a)
-  return idx
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """The shardings chosen for one call: mesh axes (or None) per logical dimension."""
@@ -109,7 +99,7 @@ def _kv_head_slicer(layout: Layout, hq: int, n_heads: int):
     return None
 
   def head_index(hkv):
-    return (_axis_index(layout.q_heads) * (hq // n_heads)) // (hq // hkv)
+    return (context_parallel.axis_index(layout.q_heads) * (hq // n_heads)) // (hq // hkv)
 
   return head_index
 
