@@ -270,32 +270,31 @@ def _without_own(placement, axis, cp_size, seg_g):
   return jax.lax.dynamic_update_slice_in_dim(seg_g, jnp.zeros((seg_g.shape[0], r), seg_g.dtype), own * r, axis=1)
 
 
+def _into_shared(full, shared, c, axis=1):
+  """`full` (the shard's result) with rows [c, n) replaced by `shared` (in place in the compiled
+  program: a dynamic-update-slice, not a join of two parts)."""
+  return jax.lax.dynamic_update_slice_in_dim(full, shared.astype(full.dtype), c, axis=axis)
+
+
 def placed_fwd(placement, local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """Local queries against local keys (no communication); shared queries against the shared
-  keys of every rank (of the rank's group), the only exchange. While it is in flight the local
-  part runs, and the shared queries attend to the rank's own shared keys; they attend to the
-  others' after, and the two partial softmaxes merge. Returns (out, lse, kept): kept is the
-  gathered shared K/V and their token arrays when keeps_gathered(placement), else ()."""
+  keys of every rank (of the rank's group), the only exchange. While it is in flight one kernel
+  runs the whole shard against its own keys: the local part, and the shared queries against the
+  rank's own shared keys (the two never meet: no segment is in both). The shared queries attend
+  to the other ranks' keys after, and the two partial softmaxes merge. Returns (out, lse, kept):
+  kept is the gathered shared K/V and their token arrays when keeps_gathered(placement), else ()."""
   c, r = _regions(placement, q.shape[1])
   args = (q, k, v, q_seg, q_pos, kv_seg, kv_pos)
-  run_local = lambda *a: local_fwd(*(x[:, :c] for x in a))
   if not r:
-    return (*run_local(*args), ())
-
-  def unexchanged(*a):  # what needs no other rank's keys
-    return run_local(*a) if c else None, local_fwd(*(x[:, c:] for x in a))
-
+    return (*local_fwd(*args), ())
   moved, unpack = _pack(_shared_kv(c, k, v, kv_seg, kv_pos))
   groups = _axis_groups(placement)
-  (local_out, own), gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, unexchanged, args)
+  (out, lse), gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, local_fwd, args)
   kg, vg, seg_g, pos_g = unpack(gathered)
   others = local_fwd(q[:, c:], kg, vg, q_seg[:, c:], q_pos[:, c:], _without_own(placement, axis, cp_size, seg_g), pos_g)
-  out, lse = _merge(own[0].astype(jnp.float32), own[1], *others)
+  out_s, lse_s = _merge(out[:, c:].astype(jnp.float32), lse[:, :, c:], *others)
   kept = (kg, vg, seg_g, pos_g) if keeps_gathered(placement) else ()
-  if not c:
-    return out.astype(q.dtype), lse, kept
-  return (jnp.concatenate([local_out[0], out.astype(q.dtype)], axis=1),
-          jnp.concatenate([local_out[1], lse], axis=2), kept)
+  return _into_shared(out, out_s, c), _into_shared(lse, lse_s, c, axis=2), kept
 
 
 def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos,
@@ -303,65 +302,48 @@ def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dls
   """Gradients of placed_fwd; only the shared keys' dK/dV are summed over the ranks.
 
   With the forward's gathered shared K/V (kept), the shared queries' part against the other
-  ranks' keys runs first, and its dK/dV all-to-all is in flight while the local part and the
-  part against the rank's own shared keys run: no exchange waits. Without them, the shared keys
-  are gathered again (memory stays O(local)) while those parts run, and the all-to-all follows
-  the rest. With groups (shared_group) every exchange runs within the group."""
+  ranks' keys runs first, and its dK/dV all-to-all is in flight while the whole shard runs
+  against its own keys: no exchange waits. Without them, the shared keys are gathered again
+  (memory stays O(local)) while the shard runs, and the all-to-all follows the rest. With groups
+  (shared_group) every exchange runs within the group."""
   c, r = _regions(placement, q.shape[1])
-  n = q.shape[1]
+  args = (q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos)
+  if not r:
+    return local_bwd(*args)
   groups = _axis_groups(placement)
   ranks = placement.group_size(cp_size)  # the ranks whose keys the shared part gathers
+  shared_q = lambda x, axis_=1: jax.lax.slice_in_dim(x, c, x.shape[axis_], axis=axis_)
 
-  def part(x, lo, hi, axis_=1):
-    return jax.lax.slice_in_dim(x, lo, hi, axis=axis_)
-
-  def run(lo, hi, per_query, kg, vg, seg_g, pos_g):  # the queries [lo, hi) against the keys given
-    qq, o, l, do, dl, qs, qp = per_query
-    return local_bwd(part(qq, lo, hi), kg, vg, part(o, lo, hi), part(l, lo, hi, 2), part(do, lo, hi),
-                     part(dl, lo, hi, 2), part(qs, lo, hi), part(qp, lo, hi), seg_g, pos_g)
-
-  def run_keys(lo, hi, *a):  # the queries and keys [lo, hi)
-    return run(lo, hi, a[:7], *(part(x, lo, hi) for x in a[7:]))
-
-  per_query = (q, out, lse, dout, dlse, q_seg, q_pos)
-  args = (*per_query, k, v, kv_seg, kv_pos)
-  if not r:
-    return run_keys(0, c, *args)
-
-  def unexchanged(*a):  # what needs no other rank's keys
-    return run_keys(0, c, *a) if c else None, run_keys(c, n, *a)
-
-  def others(kg, vg, seg_g, pos_g):
-    return run(c, n, per_query, kg, vg, _without_own(placement, axis, cp_size, seg_g), pos_g)
+  def others(kg, vg, seg_g, pos_g):  # the shared queries against the other ranks' shared keys
+    return local_bwd(shared_q(q), kg, vg, shared_q(out), shared_q(lse, 2), shared_q(dout), shared_q(dlse, 2),
+                     shared_q(q_seg), shared_q(q_pos), _without_own(placement, axis, cp_size, seg_g), pos_g)
 
   exchange = lambda m: _all_to_all(axis, m, groups)
   if kept:
     dq_others, dkg, dvg = others(*kept)
     blocks, finish = _scatter_parts(ranks, (dkg, dvg))
-    (local_grads, own), arrived = _overlapped(exchange, blocks, unexchanged, args)
+    (dq, dk, dv), arrived = _overlapped(exchange, blocks, local_bwd, args)
   else:
     moved, unpack = _pack(_shared_kv(c, k, v, kv_seg, kv_pos))
-    (local_grads, own), gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, unexchanged, args)
+    (dq, dk, dv), gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, local_bwd, args)
     dq_others, dkg, dvg = others(*unpack(gathered))
     blocks, finish = _scatter_parts(ranks, (dkg, dvg))
     arrived = exchange(blocks)
-  dq = (dq_others.astype(jnp.float32) + own[0].astype(jnp.float32)).astype(q.dtype)
-  shared_grads = (dq, *finish(arrived, own[1:]))
-  if not c:
-    return shared_grads
-  return tuple(jnp.concatenate(pair, axis=1) for pair in zip(local_grads, shared_grads))
+  dk_s, dv_s = finish(arrived, (shared_q(dk), shared_q(dv)))
+  dq_s = shared_q(dq).astype(jnp.float32) + dq_others.astype(jnp.float32)
+  return _into_shared(dq, dq_s, c), _into_shared(dk, dk_s, c), _into_shared(dv, dv_s, c)
 
 
 def _scatter_parts(cp_size, xs):
   """The all-to-all of a sum-scatter in two halves: (the blocks to send, the function that sums
-  the blocks that arrive, and `extra` arrays like xs', in float32)."""
+  the blocks that arrive: in xs' dtypes, or with `extra` arrays like xs' summed in, in float32)."""
   moved, unpack = _pack(xs, as_bits=False)
   blocks = tuple(x.reshape(x.shape[0], cp_size, x.shape[1] // cp_size, *x.shape[2:]) for x in moved)
 
-  def finish(arrived, extra=()):  # block j: from rank j
+  def finish(arrived, extra=()):  # block j: from rank j; extra: summed in, unrounded
     sums = unpack(tuple(jnp.sum(m.astype(jnp.float32), axis=1) for m in arrived))
     if extra:
-      sums = tuple(s + e.astype(jnp.float32) for s, e in zip(sums, extra))
+      return tuple(s + e.astype(jnp.float32) for s, e in zip(sums, extra))
     return tuple(s.astype(x.dtype) for s, x in zip(sums, xs))
 
   return blocks, finish
