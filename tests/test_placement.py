@@ -326,9 +326,9 @@ def test_shard_map_placement(cpu_devices, shared, keep):
   assert ("all-gather" in text) == (shared > 0)
   # K, V, segment ids and positions travel packed (one all-gather per direction, or only the
   # forward's when it keeps them; one all-to-all for dK/dV), and two optimization barriers per
-  # direction hold the work that needs no other rank's keys (the local part, the shared queries
-  # against the rank's own shared keys) inside the exchange (the gather's start and done, or with
-  # kept K/V the backward's all-to-all).
+  # direction hold the work that needs no other rank's keys (the local part, or with everything
+  # shared the queries against the rank's own shared keys) inside the exchange (the gather's
+  # start and done, or with kept K/V the backward's all-to-all).
   count = lambda op: len(re.findall(rf"stablehlo\.{op}\b", lowered.as_text()))
   has_shared = shared > 0
   assert count("all_gather") == ((1 if keep else 2) if has_shared else 0)

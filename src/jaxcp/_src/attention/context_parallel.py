@@ -246,6 +246,13 @@ def _overlapped(collective, moved, run_local, local_args):
   return local, arrived
 
 
+def _gather_while(axis, xs, run_local, local_args, groups=None):
+  """`_gather(axis, xs, groups)` while `run_local(*local_args)` runs (see _overlapped)."""
+  moved, unpack = _pack(xs)
+  local, gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, run_local, local_args)
+  return local, unpack(gathered)
+
+
 def _shared_kv(c, k, v, kv_seg, kv_pos):
   """The shard's shared K/V region and its key tokens' arrays, to be gathered from every rank."""
   return tuple(x[:, c:] for x in (k, v, kv_seg, kv_pos))
@@ -263,88 +270,119 @@ def axis_index(axes):
 
 
 def _without_own(placement, axis, cp_size, seg_g):
-  """The gathered shared segment ids with this rank's own block made padding (segment 0): the
-  rank attends to its own shared keys while the exchange is in flight, and to the others' after."""
+  """The gathered shared segment ids with this rank's own block made padding (segment 0)."""
   r, ranks = placement.shared_tokens, placement.group_size(cp_size)
   own = axis_index(axis) % ranks  # groups are consecutive ranks; the gather is in rank order
   return jax.lax.dynamic_update_slice_in_dim(seg_g, jnp.zeros((seg_g.shape[0], r), seg_g.dtype), own * r, axis=1)
 
 
-def _into_shared(full, shared, c, axis=1):
-  """`full` (the shard's result) with rows [c, n) replaced by `shared` (in place in the compiled
-  program: a dynamic-update-slice, not a join of two parts)."""
-  return jax.lax.dynamic_update_slice_in_dim(full, shared.astype(full.dtype), c, axis=axis)
-
-
 def placed_fwd(placement, local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """Local queries against local keys (no communication); shared queries against the shared
-  keys of every rank (of the rank's group), the only exchange. While it is in flight one kernel
-  runs the whole shard against its own keys: the local part, and the shared queries against the
-  rank's own shared keys (the two never meet: no segment is in both). The shared queries attend
-  to the other ranks' keys after, and the two partial softmaxes merge. Returns (out, lse, kept):
-  kept is the gathered shared K/V and their token arrays when keeps_gathered(placement), else ()."""
+  keys of every rank (of the rank's group), the only exchange, in flight while the local kernel
+  runs. Two independent problems: no merge. A shard with no local part (everything shared) runs
+  its queries against its own shared keys under the exchange instead, against the other ranks'
+  after, and merges the two partial softmaxes. Returns (out, lse, kept): kept is the gathered
+  shared K/V and their token arrays when keeps_gathered(placement), else ()."""
   c, r = _regions(placement, q.shape[1])
   args = (q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+  run_local = lambda *a: local_fwd(*(x[:, :c] for x in a))
   if not r:
-    return (*local_fwd(*args), ())
-  moved, unpack = _pack(_shared_kv(c, k, v, kv_seg, kv_pos))
-  groups = _axis_groups(placement)
-  (out, lse), gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, local_fwd, args)
-  kg, vg, seg_g, pos_g = unpack(gathered)
-  others = local_fwd(q[:, c:], kg, vg, q_seg[:, c:], q_pos[:, c:], _without_own(placement, axis, cp_size, seg_g), pos_g)
-  out_s, lse_s = _merge(out[:, c:].astype(jnp.float32), lse[:, :, c:], *others)
+    return (*run_local(*args), ())
+  local_out, (kg, vg, seg_g, pos_g) = _gather_while(axis, _shared_kv(c, k, v, kv_seg, kv_pos),
+                                                    run_local if c else local_fwd, args, _axis_groups(placement))
   kept = (kg, vg, seg_g, pos_g) if keeps_gathered(placement) else ()
-  return _into_shared(out, out_s, c), _into_shared(lse, lse_s, c, axis=2), kept
+  if not c:
+    others = local_fwd(q, kg, vg, q_seg, q_pos, _without_own(placement, axis, cp_size, seg_g), pos_g)
+    out, lse = _merge(local_out[0].astype(jnp.float32), local_out[1], *others)
+    return out.astype(q.dtype), lse, kept
+  shared_out = local_fwd(q[:, c:], kg, vg, q_seg[:, c:], q_pos[:, c:], seg_g, pos_g)
+  return (jnp.concatenate([local_out[0], shared_out[0]], axis=1),
+          jnp.concatenate([local_out[1], shared_out[1]], axis=2), kept)
 
 
 def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos,
                kept=()):
   """Gradients of placed_fwd; only the shared keys' dK/dV are summed over the ranks.
 
-  With the forward's gathered shared K/V (kept), the shared queries' part against the other
-  ranks' keys runs first, and its dK/dV all-to-all is in flight while the whole shard runs
-  against its own keys: no exchange waits. Without them, the shared keys are gathered again
-  (memory stays O(local)) while the shard runs, and the all-to-all follows the rest. With groups
-  (shared_group) every exchange runs within the group."""
+  With the forward's gathered shared K/V (kept), the shared part runs first and its dK/dV
+  all-to-all is in flight while the local part runs: no exchange waits. Without them, the shared
+  keys are gathered again (memory stays O(local)) while the local part runs, and the all-to-all
+  follows the shared part. With groups (shared_group) every exchange runs within the group."""
   c, r = _regions(placement, q.shape[1])
-  args = (q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos)
-  if not r:
-    return local_bwd(*args)
+  n = q.shape[1]
   groups = _axis_groups(placement)
   ranks = placement.group_size(cp_size)  # the ranks whose keys the shared part gathers
-  shared_q = lambda x, axis_=1: jax.lax.slice_in_dim(x, c, x.shape[axis_], axis=axis_)
 
-  def others(kg, vg, seg_g, pos_g):  # the shared queries against the other ranks' shared keys
-    return local_bwd(shared_q(q), kg, vg, shared_q(out), shared_q(lse, 2), shared_q(dout), shared_q(dlse, 2),
-                     shared_q(q_seg), shared_q(q_pos), _without_own(placement, axis, cp_size, seg_g), pos_g)
+  def part(x, lo, hi, axis_=1):
+    return jax.lax.slice_in_dim(x, lo, hi, axis=axis_)
+
+  def query_args(lo, hi, q, out, lse, dout, dlse, q_seg, q_pos):  # the per-query arguments of [lo, hi)
+    return (part(q, lo, hi), part(out, lo, hi), part(lse, lo, hi, 2), part(dout, lo, hi), part(dlse, lo, hi, 2),
+            part(q_seg, lo, hi), part(q_pos, lo, hi))
+
+  def run(queries, kg, vg, seg_g, pos_g):
+    qq, o, l, do, dl, qs, qp = queries
+    return local_bwd(qq, kg, vg, o, l, do, dl, qs, qp, seg_g, pos_g)
+
+  per_query = (q, out, lse, dout, dlse, q_seg, q_pos)
+
+  def run_local(*a):
+    return run(query_args(0, c, *a[:7]), *(part(x, 0, c) for x in a[7:]))
+
+  args = (*per_query, k, v, kv_seg, kv_pos)
+  if not r:
+    return run_local(*args)
+  if not c:  # everything shared: the rank's own shared keys under the exchange
+    return _all_shared_bwd(placement, local_bwd, axis, cp_size, kept, q, k, v, out, lse, dout, dlse, q_seg, q_pos,
+                           kv_seg, kv_pos)
+  if kept:
+    dq_shared, dkg, dvg = run(query_args(c, n, *per_query), *kept)
+    blocks, finish = _scatter_parts(ranks, (dkg, dvg))
+    local_grads, arrived = _overlapped(lambda m: _all_to_all(axis, m, groups), blocks, run_local, args)
+    shared_grads = (dq_shared, *finish(arrived))
+  else:
+    local_grads, gathered = _gather_while(axis, _shared_kv(c, k, v, kv_seg, kv_pos), run_local, args, groups)
+    dq, dkg, dvg = run(query_args(c, n, *per_query), *gathered)
+    shared_grads = (dq, *_sum_scatter(axis, ranks, (dkg, dvg), groups))
+  return tuple(jnp.concatenate(pair, axis=1) for pair in zip(local_grads, shared_grads))
+
+
+def _all_shared_bwd(placement, local_bwd, axis, cp_size, kept, *args):
+  """placed_bwd of a shard with no local part. The part against the other ranks' shared keys
+  runs first (with kept K/V) and its dK/dV all-to-all is in flight while the part against the
+  rank's own keys runs, which is summed into what arrives; without kept K/V the own part runs
+  under the gather instead."""
+  q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos = args
+  groups = _axis_groups(placement)
+
+  def others(kg, vg, seg_g, pos_g):
+    return local_bwd(q, kg, vg, out, lse, dout, dlse, q_seg, q_pos, _without_own(placement, axis, cp_size, seg_g),
+                     pos_g)
 
   exchange = lambda m: _all_to_all(axis, m, groups)
   if kept:
-    dq_others, dkg, dvg = others(*kept)
-    blocks, finish = _scatter_parts(ranks, (dkg, dvg))
-    (dq, dk, dv), arrived = _overlapped(exchange, blocks, local_bwd, args)
+    dq, dkg, dvg = others(*kept)
+    blocks, finish = _scatter_parts(placement.group_size(cp_size), (dkg, dvg))
+    own, arrived = _overlapped(exchange, blocks, local_bwd, args)
   else:
-    moved, unpack = _pack(_shared_kv(c, k, v, kv_seg, kv_pos))
-    (dq, dk, dv), gathered = _overlapped(lambda m: _all_gather(axis, m, groups), moved, local_bwd, args)
-    dq_others, dkg, dvg = others(*unpack(gathered))
-    blocks, finish = _scatter_parts(ranks, (dkg, dvg))
+    own, gathered = _gather_while(axis, (k, v, kv_seg, kv_pos), local_bwd, args, groups)
+    dq, dkg, dvg = others(*gathered)
+    blocks, finish = _scatter_parts(placement.group_size(cp_size), (dkg, dvg))
     arrived = exchange(blocks)
-  dk_s, dv_s = finish(arrived, (shared_q(dk), shared_q(dv)))
-  dq_s = shared_q(dq).astype(jnp.float32) + dq_others.astype(jnp.float32)
-  return _into_shared(dq, dq_s, c), _into_shared(dk, dk_s, c), _into_shared(dv, dv_s, c)
+  dq = (dq.astype(jnp.float32) + own[0].astype(jnp.float32)).astype(dq.dtype)
+  return (dq, *finish(arrived, own[1:]))
 
 
 def _scatter_parts(cp_size, xs):
-  """The all-to-all of a sum-scatter in two halves: (the blocks to send, the function that sums
-  the blocks that arrive: in xs' dtypes, or with `extra` arrays like xs' summed in, in float32)."""
+  """The all-to-all of _sum_scatter in two halves: (the blocks to send, the function that sums
+  the blocks that arrive, with `extra` arrays like xs, in float32)."""
   moved, unpack = _pack(xs, as_bits=False)
   blocks = tuple(x.reshape(x.shape[0], cp_size, x.shape[1] // cp_size, *x.shape[2:]) for x in moved)
 
-  def finish(arrived, extra=()):  # block j: from rank j; extra: summed in, unrounded
+  def finish(arrived, extra=()):  # block j: from rank j
     sums = unpack(tuple(jnp.sum(m.astype(jnp.float32), axis=1) for m in arrived))
-    if extra:
-      return tuple(s + e.astype(jnp.float32) for s, e in zip(sums, extra))
-    return tuple(s.astype(x.dtype) for s, x in zip(sums, xs))
+    sums = tuple(x + e.astype(jnp.float32) for x, e in zip(sums, extra)) if extra else sums
+    return tuple(x.astype(like.dtype) for x, like in zip(sums, xs))
 
   return blocks, finish
 
