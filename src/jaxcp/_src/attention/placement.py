@@ -582,26 +582,48 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
   rows = seg.reshape(-1, s)
   segments = [_segments(row) for row in rows]
   real_tokens = max(int((seg != 0).sum()), 1)
-  best = None
-  for g, r in candidates:
-    placement = DocumentPlacement(r, token_cost, pair_cost, tolerance, cp_size=cp,
-                                  shared_group=None if g == cp else g)
-    assigned = [_row_assignment(g, cp, placement, evict, s) if cp > 1 else (np.zeros(g.length.size, np.int64), 1.0)
-                for g in segments]
-    if any(a is None for a in assigned):
-      continue
-    imbalance = np.array([a[1] for a in assigned])
-    worst = float(imbalance.max()) if imbalance.size else 1.0
-    left_out = sum(int(g.length[a[0] == EVICTED].sum()) for g, a in zip(segments, assigned)) / real_tokens
-    score = worst * (1.0 + left_out)
-    if best is None or score < best[2] - 1e-12:
-      best = (placement, assigned, score)
-    if worst <= 1.0 + tolerance and left_out <= max_evicted:
+  placements = [DocumentPlacement(r, token_cost, pair_cost, tolerance, cp_size=cp, shared_group=None if g == cp else g)
+                for g, r in candidates]
+  computed = {}  # (candidate, row) -> _row_assignment, each computed once
+
+  def assignment(c, b):
+    if (c, b) not in computed:
+      seg_b = segments[b]
+      computed[c, b] = (_row_assignment(seg_b, cp, placements[c], evict, s) if cp > 1
+                        else (np.zeros(seg_b.length.size, np.int64), 1.0))
+    return computed[c, b]
+
+  def left_out(a, b):
+    return int(segments[b].length[a[0] == EVICTED].sum())
+
+  # The first candidate that places every row within tolerance, leaving out at most max_evicted.
+  # A candidate is dropped at its first failing row, and the row that failed last is tried first.
+  order, taken = list(range(len(segments))), None
+  for c in range(len(candidates)):
+    out = 0
+    for b in order:
+      a = assignment(c, b)
+      out += 0 if a is None else left_out(a, b)
+      if a is None or a[1] > 1.0 + tolerance or out > max_evicted * real_tokens:
+        order.remove(b)
+        order.insert(0, b)
+        break
+    else:
+      taken = c
       break
-  if best is None:
-    raise ValueError(f"no size in {sizes} (groups {groups}) places every row; add S / cp = {s // cp} with the "
-                     f"group size cp_size (always fits).")
-  placement, assigned, _ = best
+  if taken is None:  # none does: the most even worst row (times the share left out)
+    scores = []
+    for c in range(len(candidates)):
+      rows_c = [assignment(c, b) for b in range(len(segments))]
+      if any(a is None for a in rows_c):
+        continue
+      worst = max((a[1] for a in rows_c), default=1.0)
+      scores.append((worst * (1.0 + sum(left_out(a, b) for b, a in enumerate(rows_c)) / real_tokens), c))
+    if not scores:
+      raise ValueError(f"no size in {sizes} (groups {groups}) places every row; add S / cp = {s // cp} with the "
+                       f"group size cp_size (always fits).")
+    taken = min(scores)[1]
+  placement, assigned = placements[taken], [assignment(taken, b) for b in range(len(segments))]
   perms = np.empty(rows.shape, np.int32)
   evicted = np.zeros(rows.shape, bool)
   for b, (row, g, a) in enumerate(zip(rows, segments, assigned)):
