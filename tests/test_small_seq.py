@@ -351,16 +351,18 @@ def _check_no_collectives(compiled_text):
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("with_lengths", [True, False])
 @pytest.mark.parametrize("mesh_shape,hq,hkv", [((8, 1), 4, 2), ((1, 8), 16, 8), ((2, 4), 8, 4)])
-def test_sharded_padded(cpu_devices, mesh_shape, hq, hkv):
+def test_sharded_padded(cpu_devices, mesh_shape, hq, hkv, with_lengths):
   rng = np.random.default_rng(9)
   b, s, d = 16, 5, 16
   q, k, v = _padded(rng, b, s, hq, hkv, d, jnp.bfloat16)
   dout = _rand(rng, (b, hq, d), jnp.bfloat16)
-  lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
+  lengths = jnp.asarray(rng.integers(0, s + 1, b) if with_lengths else np.full(b, s), jnp.int32)
 
   def f(q, k, v, lengths, dout):
-    fn = lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths, implementation="cpu")
+    fn = lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths if with_lengths else None,
+                                             implementation="cpu")
     return _vjp(fn, (q, k, v), dout)
 
   want = jax.jit(f)(q, k, v, lengths, dout)
@@ -374,6 +376,21 @@ def test_sharded_padded(cpu_devices, mesh_shape, hq, hkv):
   got = jf(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@needs_cpu_kernel
+def test_padded_defaults_are_not_materialised():
+  """Without kv_lengths the padded call passes empty index arrays (the kernels' defaults: rows of
+  Skv tokens from b * Skv, every token allowed), so XLA computes no index array, and the result
+  is the one with explicit full lengths."""
+  rng = np.random.default_rng(4)
+  b, s, hq, hkv, d = 8, 3, 4, 2, 16
+  q, k, v = _padded(rng, b, s, hq, hkv, d, jnp.float32)
+  fn = jax.jit(lambda q, k, v: small_seq_attention(q, k, v, implementation="cpu"))
+  hlo = fn.lower(q, k, v).compile().as_text()
+  assert "s32[0]" in hlo and "iota" not in hlo and "broadcast" not in hlo, hlo
+  full = small_seq_attention(q, k, v, kv_lengths=jnp.full((b,), s, jnp.int32), implementation="cpu")
+  np.testing.assert_array_equal(np.asarray(fn(q, k, v)), np.asarray(full))
 
 
 @needs_cpu_kernel

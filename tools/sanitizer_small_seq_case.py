@@ -1,4 +1,4 @@
-"""Small-sequence attention calls for compute-sanitizer: lengths out of range (clamped), ragged
+"""Small-sequence attention calls for compute-sanitizer: lengths out of range (clamped) or absent, ragged
 cu_seqlens past the end, GQA, head dims 64-512, forward and gradients; the tensor-core kernels
 (11 keys, groups of 3-4) and the lane-group kernels (5 and 8 keys, groups of 1-2)."""
 import os
@@ -24,6 +24,8 @@ lengths5 = jnp.asarray(rng.integers(-3, 9, b), jnp.int32)
 for hq, hkv, d in ((4, 4, 64), (4, 2, 512), (3, 3, 128)):  # lane groups (3 x 128: half-empty warps)
   grads(lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths5),
         r(b, hq, d), r(b, 5, hkv, d), r(b, 5, hkv, d))
+for hq, hkv, d, skv in ((8, 2, 128, 11), (4, 4, 64, 5), (2, 2, 64, 1)):  # no kv_lengths: default index arrays
+  grads(lambda q, k, v: small_seq_attention(q, k, v), r(b, hq, d), r(b, skv, hkv, d), r(b, skv, hkv, d))
 lens = rng.integers(0, 21, b)
 cu = np.concatenate([[5], 5 + np.cumsum(lens)]).astype(np.int32)
 cu[-1] += 1000  # past the end: clamped

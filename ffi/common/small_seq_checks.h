@@ -1,5 +1,8 @@
 // Shape checks shared by the CPU and CUDA small-sequence handlers.
-// q [B,Hq,D], k/v [T,Hkv,D], kv_start/kv_len/kv_mask int32 [B], probs float32 [B,Hq,max_len].
+// q [B,Hq,D], k/v [T,Hkv,D], kv_start/kv_len/kv_mask int32 [B] or empty, probs float32 [B,Hq,max_len].
+// An empty index array stands for its default, which the callers need not materialise:
+// kv_start, row b's tokens from b * max_len (the padded layout); kv_len, max_len; kv_mask, every
+// token.
 #pragma once
 #include <cstdint>
 
@@ -29,9 +32,15 @@ inline ffi::Error check_small_seq_inputs(const ffi::AnyBuffer& q, const ffi::Any
     return invalid("small_seq: max_len must be in [0, 16]");
   for (const ffi::Buffer<ffi::S32>* a : {&start, &len, &mask}) {
     auto d = a->dimensions();
-    if (d.size() != 1 || d[0] != qd[0]) return invalid("small_seq: index arrays must be [B]");
+    if (d.size() != 1 || (d[0] != qd[0] && d[0] != 0))
+      return invalid("small_seq: index arrays must be [B] (or empty: the default)");
   }
   return ffi::Error::Success();
+}
+
+// The kernels' pointer to an index array: null when it is empty (the default).
+inline const int32_t* small_seq_index(const ffi::Buffer<ffi::S32>& a) {
+  return a.element_count() == 0 ? nullptr : a.typed_data();
 }
 
 inline ffi::Error check_small_seq_probs(const ffi::Buffer<ffi::F32>& p, int64_t batch,

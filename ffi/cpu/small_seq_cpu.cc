@@ -45,8 +45,8 @@ ffi::Error SmallSeqFwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, I32 kv_start, 
   if (auto e = check_probs(s, *probs); e.failure()) return e;
   std::vector<float> qf, kf, vf, of(out->element_count());
   if (auto e = all_to_float32({{&q, &qf}, {&k, &kf}, {&v, &vf}}); e.failure()) return e;
-  small_seq_fwd(s, qf.data(), kf.data(), vf.data(), kv_start.typed_data(), kv_len.typed_data(),
-                kv_mask.typed_data(), of.data(), probs->typed_data());
+  small_seq_fwd(s, qf.data(), kf.data(), vf.data(), small_seq_index(kv_start), small_seq_index(kv_len),
+                small_seq_index(kv_mask), of.data(), probs->typed_data());
   return from_float32(of, *out);
 }
 
@@ -65,7 +65,7 @@ ffi::Error SmallSeqBwdImpl(AnyBuffer q, AnyBuffer k, AnyBuffer v, ffi::Buffer<ff
     return e;
   GradStaging g(*dq, *dk, *dv);
   small_seq_bwd(s, qf.data(), kf.data(), vf.data(), probs.typed_data(), dof.data(),
-                kv_start.typed_data(), kv_len.typed_data(), kv_mask.typed_data(), g.dq.data(),
+                small_seq_index(kv_start), small_seq_index(kv_len), small_seq_index(kv_mask), g.dq.data(),
                 g.dk.data(), g.dv.data());
   return g.store(*dq, *dk, *dv);
 }

@@ -18,14 +18,15 @@ struct Range {
 // The clamped token range of row b.
 Range row_range(const SmallSeqShape& s, const int32_t* kv_start, const int32_t* kv_len,
                 int64_t b) {
-  const int64_t start = std::clamp<int64_t>(kv_start[b], 0, s.tokens);
-  int64_t len = std::clamp<int64_t>(kv_len[b], 0, s.max_len);
+  // A missing (null) index array is its default: b * max_len, max_len, every token.
+  const int64_t start = std::clamp<int64_t>(kv_start != nullptr ? kv_start[b] : b * s.max_len, 0, s.tokens);
+  int64_t len = kv_len != nullptr ? std::clamp<int64_t>(kv_len[b], 0, s.max_len) : s.max_len;
   len = std::min(len, s.tokens - start);
   return {start, len};
 }
 
 inline bool allowed(const int32_t* kv_mask, int64_t b, int64_t j) {
-  return ((static_cast<uint32_t>(kv_mask[b]) >> j) & 1u) != 0;
+  return kv_mask == nullptr || ((static_cast<uint32_t>(kv_mask[b]) >> j) & 1u) != 0;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {

@@ -3,7 +3,8 @@
 //
 // Layouts (row-major, contiguous): q/out/dq [B, Hq, D]; k/v/dk/dv [T, Hkv, D] (the padded
 // layout [B, Skv, Hkv, D] viewed as [B*Skv, Hkv, D]); probs float32 [B, Hq, max_len].
-// Row b attends to tokens kv_start[b] + j for j < kv_len[b] whose bit j of kv_mask[b] is set.
+// Row b attends to tokens kv_start[b] + j for j < kv_len[b] whose bit j of kv_mask[b] is set; a
+// null index array is its default (kv_start[b] = b * max_len, kv_len[b] = max_len, every bit).
 // Runtime values are clamped, never trusted: len into [0, max_len], start into [0, T] and
 // len into [0, T - start]. The caller (jaxcp) passes non-overlapping ranges in increasing order.
 #pragma once

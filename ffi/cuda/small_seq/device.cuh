@@ -228,8 +228,15 @@ struct Task {
   uint32_t mask;
 };
 
-// Task w = (row b, key/value head g) with its clamped token range; false (and an empty task) past
-// the last one.
+// Row b's first token, clamped into [0, tokens]; without kv_start (the padded layout's default)
+// b * max_len.
+__device__ __forceinline__ int64_t row_start(const Params& p, int64_t b) {
+  const int64_t start = p.kv_start != nullptr ? static_cast<int64_t>(p.kv_start[b]) : b * p.max_len;
+  return min(max(start, int64_t{0}), p.tokens);
+}
+
+// Task w = (row b, key/value head g) with its clamped token range (a missing index array is its
+// default: kv_len max_len, kv_mask every token); false (and an empty task) past the last one.
 __device__ __forceinline__ bool task_at(const Params& p, int64_t w, Task* t) {
   if (w >= p.batch * p.kv_heads) {
     *t = Task{0, 0, 0, 0, 0u};
@@ -243,10 +250,10 @@ __device__ __forceinline__ bool task_at(const Params& p, int64_t w, Task* t) {
     t->b = w / p.kv_heads;
     t->g = static_cast<int>(w - t->b * p.kv_heads);
   }
-  t->start = min(max(static_cast<int64_t>(p.kv_start[t->b]), int64_t{0}), p.tokens);
-  const int len = min(max(p.kv_len[t->b], 0), p.max_len);
+  t->start = row_start(p, t->b);
+  const int len = p.kv_len != nullptr ? min(max(p.kv_len[t->b], 0), p.max_len) : p.max_len;
   t->len = static_cast<int>(min(static_cast<int64_t>(len), p.tokens - t->start));
-  t->mask = static_cast<uint32_t>(p.kv_mask[t->b]);
+  t->mask = p.kv_mask != nullptr ? static_cast<uint32_t>(p.kv_mask[t->b]) : 0xffffffffu;
   return true;
 }
 
@@ -334,9 +341,7 @@ __device__ __forceinline__ void store_kv_grads(const Params& p, const Task& t, i
 
 // The next row's clamped start (the end of the buffer for the last row).
 __device__ __forceinline__ int64_t next_start(const Params& p, const Task& t) {
-  return t.b + 1 < p.batch
-             ? min(max(static_cast<int64_t>(p.kv_start[t.b + 1]), int64_t{0}), p.tokens)
-             : p.tokens;
+  return t.b + 1 < p.batch ? row_start(p, t.b + 1) : p.tokens;
 }
 
 // Zeroes the dk/dv tokens no row covers: from the end of this row to `next` (next_start), and

@@ -78,7 +78,7 @@ ffi::Error SmallSeqFwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuf
   if (auto e = check_probs(a, *probs); e.failure()) return e;
   if (!aligned16(out->untyped_data())) return invalid("small_seq (CUDA): out must be 16-byte aligned");
   return status(small_seq_fwd(a, dtype, q.untyped_data(), k.untyped_data(), v.untyped_data(),
-                              kv_start.typed_data(), kv_len.typed_data(), kv_mask.typed_data(),
+                              small_seq_index(kv_start), small_seq_index(kv_len), small_seq_index(kv_mask),
                               out->untyped_data(), probs->typed_data(), stream),
                 "small_seq_fwd");
 }
@@ -101,8 +101,8 @@ ffi::Error SmallSeqBwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuf
                           dv->untyped_data()})
     if (!aligned16(ptr)) return invalid("small_seq (CUDA): gradient buffers must be 16-byte aligned");
   return status(small_seq_bwd(a, dtype, q.untyped_data(), k.untyped_data(), v.untyped_data(),
-                              probs.typed_data(), dout.untyped_data(), kv_start.typed_data(),
-                              kv_len.typed_data(), kv_mask.typed_data(), dq->untyped_data(),
+                              probs.typed_data(), dout.untyped_data(), small_seq_index(kv_start),
+                              small_seq_index(kv_len), small_seq_index(kv_mask), dq->untyped_data(),
                               dk->untyped_data(), dv->untyped_data(), stream),
                 "small_seq_bwd");
 }

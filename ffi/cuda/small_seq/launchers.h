@@ -4,7 +4,8 @@
 // Layouts (row-major, contiguous): q/out/dq/dout [B, Hq, D]; k/v/dk/dv [T, Hkv, D] (the padded
 // layout [B, Skv, Hkv, D] is the same memory viewed as [B*Skv, Hkv, D]); probs float32
 // [B, Hq, max_len]. Row b attends to tokens kv_start[b] + j, j < kv_len[b], whose bit j of
-// kv_mask[b] is set. Runtime values are clamped, never trusted: len into [0, max_len], start into
+// kv_mask[b] is set; a null index array is its default (kv_start[b] = b * max_len, kv_len[b] =
+// max_len, every bit set). Runtime values are clamped, never trusted: len into [0, max_len], start into
 // [0, T], len into [0, T - start]. Rows must come with non-overlapping ranges in increasing
 // order (jaxcp's Python layer guarantees it); otherwise results are unspecified but memory
 // accesses stay in bounds.

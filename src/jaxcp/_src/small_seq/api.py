@@ -19,13 +19,12 @@ from ..kernel_options import SmallSeqKernelOptions, check_options
 from ..masks import allowed_pairs
 from ..primitive_utils import CUDA_DTYPES, check_int_array, choose_implementation
 from . import dispatch, sharding  # noqa: F401  (gives the primitives their partitioned lowering)
-from .primitive import MAX_KV_LEN, SmallSeqConfig, small_seq_bwd_p, small_seq_fwd_p
+from .primitive import MAX_KV_LEN, SmallSeqConfig, default_index, small_seq_bwd_p, small_seq_fwd_p
 from .one_key import one_key_attention
 from .reference import small_seq_reference
 
 _CUDA_HEAD_DIMS = (64, 128, 256, 512)
 _CPU_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-_ALL_TOKENS = -1  # kv_mask value that allows every token of a row
 
 
 # ---------------------------------------------------------------- differentiable kernel call
@@ -167,7 +166,7 @@ def _small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=No
       raise ValueError(f"key/value sequence length must be in [1, {MAX_KV_LEN}], got Skv={skv}; "
                        "use jaxcp.attention for longer sequences.")
     if kv_lengths is None:
-      length = jnp.full((b,), skv, jnp.int32)
+      length = default_index()  # every row Skv long
     else:
       length = check_int_array("kv_lengths", kv_lengths, (b,))
     ragged, max_len = False, skv
@@ -200,7 +199,7 @@ def _small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=No
                      "(MHA, GQA or MQA).")
   scale = _check_scale(scale, d)
   impl = choose_implementation(implementation, query.dtype, d, _CUDA_HEAD_DIMS)
-  mask = jnp.full((b,), _ALL_TOKENS, jnp.int32)
+  mask = default_index()  # every token
   index = (start, length, mask) if ragged else (length, mask)
   config = SmallSeqConfig(scale, max_len, ragged, kernel_options)
   return _run(query, key, value, index, config, impl, auto=implementation is None)
@@ -255,7 +254,7 @@ def small_seq_from_attention(query, key, value, q_seg, q_pos, kv_seg, kv_pos, sp
   allowed = allowed_pairs(q_seg, q_pos, kv_seg, kv_pos, spec)[:, 0, :]  # [B, Skv]
   bits = jnp.left_shift(jnp.int32(1), jnp.arange(skv, dtype=jnp.int32))
   mask = jnp.sum(jnp.where(allowed, bits, 0), axis=1, dtype=jnp.int32)
-  length = jnp.full((b,), skv, jnp.int32)
   config = SmallSeqConfig(float(scale), skv, False)
+  length = default_index()  # every row Skv long
   out = _run(query.reshape(b, hq, d), key, value, (length, mask), config, implementation, auto)
   return out.reshape(b, 1, hq, d)

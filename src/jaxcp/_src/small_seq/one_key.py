@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .primitive import SmallSeqConfig
+from .reference import with_defaults
 
 
 def one_key_attention(q, k, v, index, config: SmallSeqConfig):
@@ -15,8 +16,8 @@ def one_key_attention(q, k, v, index, config: SmallSeqConfig):
   del k
   if config.ragged or config.max_len != 1:
     raise ValueError("one_key_attention takes padded rows of one key (max_len 1).")
-  length, mask = index
   b, hq, d = q.shape
+  length, mask = with_defaults(index, b, 1)
   hkv = v.shape[2]
   allowed = (length >= 1) & ((mask & 1) == 1)                       # [B]
   value = jnp.broadcast_to(v[:, 0, :, None, :], (b, hkv, hq // hkv, d)).reshape(b, hq, d)

@@ -3,7 +3,9 @@
   `jaxcp_small_seq_{fwd,bwd}` of the current platform. The kernels see one flat layout:
   q [B, Hq, D], k/v [T, Hkv, D], and per row int32 kv_start, kv_len, kv_mask [B] (row b attends
   to tokens kv_start[b] + j, j < kv_len[b], whose bit j of kv_mask[b] is set), with the static
-  attribute max_len (<= 16). They clamp len into [0, max_len] and start/len into [0, T], so
+  attribute max_len (<= 16). An index array may be empty ([0], `DEFAULT_INDEX`): its default,
+  which then costs no kernel of its own (kv_start: b * max_len, the padded layout; kv_len:
+  max_len; kv_mask: every token). They clamp len into [0, max_len] and start/len into [0, T], so
   out-of-range runtime values never read or write out of bounds.
 - public primitives (`jaxcp_small_seq_{fwd,bwd}`) take the user's layout (padded [B, S, Hkv, D]
   or ragged [T, Hkv, D]) and carry the vmap rule; sharding.py gives them their lowering through
@@ -25,6 +27,15 @@ FWD_TARGET = "jaxcp_small_seq_fwd"
 BWD_TARGET = "jaxcp_small_seq_bwd"
 
 MAX_KV_LEN = 16
+
+
+def default_index():
+  """An empty index array: the kernels take its default (module docstring)."""
+  return jnp.zeros((0,), jnp.int32)
+
+
+def is_default(x) -> bool:
+  return x.shape[0] == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +93,8 @@ def _flat_kv(k, v, index, config):
     return k, v, start, length, mask
   length, mask = index
   b, s, hkv, d = k.shape
-  start = jnp.arange(b, dtype=jnp.int32) * np.int32(s)
+  # Rows of Skv = max_len tokens start at b * max_len, the kernels' default.
+  start = default_index() if s == config.max_len else jnp.arange(b, dtype=jnp.int32) * np.int32(s)
   return k.reshape(b * s, hkv, d), v.reshape(b * s, hkv, d), start, length, mask
 
 

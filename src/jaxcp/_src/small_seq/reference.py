@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .primitive import SmallSeqConfig
+from .primitive import SmallSeqConfig, is_default
 
 def _reference_core(q, kg, vg, valid, scale):
   """q [B,Hq,D], kg/vg [B,M,Hkv,D], valid bool [B,M] -> (out [B,Hq,D], probs f32 [B,Hq,M])."""
@@ -27,9 +27,18 @@ def _mask_bits(mask, m_len):
   return ((mask[:, None] >> j) & 1) == 1
 
 
+def with_defaults(index, batch: int, max_len: int):
+  """The index arrays with the empty ones (primitive.default_index) made explicit: lengths
+  max_len, masks of every token (the padded layout's starts are not in the index)."""
+  fill = lambda x, value: jnp.full((batch,), value, jnp.int32) if is_default(x) else x
+  *start, length, mask = index
+  return (*start, fill(length, max_len), fill(mask, -1))
+
+
 def small_seq_reference(q, k, v, index, config: SmallSeqConfig):
   """Pure-JAX semantics of the kernels (same clamping), for tests and implementation="xla"."""
   m_len = config.max_len
+  index = with_defaults(index, q.shape[0], m_len)
   j = jnp.arange(m_len, dtype=jnp.int32)
   if config.ragged:
     start, length, mask = index

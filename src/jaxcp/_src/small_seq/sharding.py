@@ -29,10 +29,15 @@ def _choose_axes(config, mesh, q, k):
   return batch, heads
 
 
-def _specs(config, batch, heads, backward):
+def _index_empty(shapes, backward):
+  """Which index arrays are empty (their default, primitive.default_index): never sharded."""
+  return tuple(x.shape[0] == 0 for x in shapes[5 if backward else 3:])
+
+
+def _specs(config, batch, heads, backward, empty):
   q = P(batch, heads, None)
   kv = P(None, heads, None) if config.ragged else P(batch, None, heads, None)
-  idx = (P(batch),) * config.num_index
+  idx = tuple(P(None) if e else P(batch) for e in empty)
   probs = P(batch, heads, None)
   if backward:
     return (q, kv, kv, probs, q) + idx, (q, kv, kv)
@@ -46,11 +51,11 @@ def _named(mesh, specs):
 def _make_partitioned(local_fn, num_args, backward):
   def infer(config, mesh, arg_shapes, result_shape):
     batch, heads = _choose_axes(config, mesh, arg_shapes[0], arg_shapes[1])
-    return _named(mesh, _specs(config, batch, heads, backward)[1])
+    return _named(mesh, _specs(config, batch, heads, backward, _index_empty(arg_shapes, backward))[1])
 
   def partition(config, mesh, arg_shapes, result_shape):
     batch, heads = _choose_axes(config, mesh, arg_shapes[0], arg_shapes[1])
-    arg_specs, out_specs = _specs(config, batch, heads, backward)
+    arg_specs, out_specs = _specs(config, batch, heads, backward, _index_empty(arg_shapes, backward))
 
     def lower(*args):
       return local_fn(*args, config)
@@ -60,7 +65,7 @@ def _make_partitioned(local_fn, num_args, backward):
   def rule(config, mesh, value_types, result_types):
     kv = "t g d" if config.ragged else "b s g d"
     m = "m" if config.ragged else "s"
-    idx = ", ".join(["b"] * config.num_index)
+    idx = ", ".join(f"e{i}" if e else "b" for i, e in enumerate(_index_empty(value_types, backward)))
     if backward:
       return f"b h d, {kv}, {kv}, b h {m}, b h d, {idx} -> b h d, {kv}, {kv}"
     return f"b h d, {kv}, {kv}, {idx} -> b h d, b h {m}"
