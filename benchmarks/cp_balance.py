@@ -34,6 +34,7 @@ from jaxcp._src.attention.placement import choose_with_eviction  # noqa: E402
 STRATEGIES = ("contiguous", "striped", "zigzag", "zigzag_docs", "balanced_blocks", "placement")
 # What a DocumentPlacement exchanges: the shared region, cp * R of S tokens (all_gather: all of S).
 PLACEMENT = "placement"
+GROUPED = "placement_grouped"  # its shared region exchanged within groups of ranks (group_sizes)
 SEQ_LENS = (32 * 1024, 128 * 1024, 256 * 1024)
 CP_SIZES = (2, 4, 8, 16, 32, 64)
 
@@ -211,25 +212,36 @@ MIX_NOTES = {
 # --------------------------------------------------------------------------------------------
 
 
-def placement_entry(seg: np.ndarray, cp: int) -> dict:
+def group_sizes(cp: int) -> tuple[int, ...]:
+  """The shared group sizes a grouped placement chooses from: powers of two from 2 up to cp."""
+  return tuple(g for g in (2 ** i for i in range(1, 7)) if g < cp) + (cp,)
+
+
+def placement_entry(seg: np.ndarray, cp: int, grouped: bool = False) -> dict:
   """Causal work balance, bytes and left-out share of a DocumentPlacement chosen per row (the
-  data pipeline's rule: the smallest shared size that balances; what finds no room left out)."""
+  data pipeline's rule: the smallest shared size that balances; what finds no room left out).
+  grouped: the shared region may also be exchanged within groups of ranks (group_sizes), the
+  candidate (group g, R) taken by the tokens a rank receives; bytes then count g * R."""
   s = seg.shape[-1]
-  per_row, shared, left_out, work = [], [], [], []
+  per_row, shared, left_out, work, groups = [], [], [], [], []
   for row in seg:
-    placement, perm, _, evicted = choose_with_eviction(row[None], cp)
+    placement, perm, _, evicted = choose_with_eviction(row[None], cp, groups=group_sizes(cp) if grouped else None)
     placed = np.where(evicted, 0, row[None])
     w = rank_work(placed, perm, cp)
     per_row.append(float(imbalance(w)[0]))
     work.append(w[0])
-    shared.append(cp * placement.shared_tokens / s)
+    groups.append(placement.group_size(cp))
+    shared.append(groups[-1] * placement.shared_tokens / s)
     left_out.append(float(evicted.sum()) / max(int((row != 0).sum()), 1))
   sizes, counts = np.unique(np.round(np.asarray(shared) * 8).astype(int), return_counts=True)
-  return dict(row_mean=float(np.mean(per_row)), row_max=float(np.max(per_row)),
-              batch=float(imbalance(np.sum(work, axis=0))), bytes_mean=float(np.mean(shared)),
-              bytes_max=float(np.max(shared)), left_out_mean=float(np.mean(left_out)),
-              left_out_max=float(np.max(left_out)),
-              sizes_taken={f"{int(k)}/8": int(n) for k, n in zip(sizes, counts)})
+  entry = dict(row_mean=float(np.mean(per_row)), row_max=float(np.max(per_row)),
+               batch=float(imbalance(np.sum(work, axis=0))), bytes_mean=float(np.mean(shared)),
+               bytes_max=float(np.max(shared)), left_out_mean=float(np.mean(left_out)),
+               left_out_max=float(np.max(left_out)))
+  if grouped:
+    g, n = np.unique(groups, return_counts=True)
+    return dict(entry, groups_taken={int(k): int(c) for k, c in zip(g, n)})
+  return dict(entry, sizes_taken={f"{int(k)}/8": int(n) for k, n in zip(sizes, counts)})
 
 
 def placement_speed(seed: int, batch: int = 8, seq_len: int = 256 * 1024) -> list[dict]:
@@ -261,6 +273,7 @@ def run(rows: int, seed: int, seq_lens=SEQ_LENS, cp_sizes=CP_SIZES, mixes=None,
         for strategy in STRATEGIES:
           if strategy == PLACEMENT:
             entry[strategy] = placement_entry(seg, cp)
+            entry[GROUPED] = placement_entry(seg, cp, grouped=True)
             continue
           perm = permutation(strategy, seg, cp, tile)
           w = rank_work(seg, perm, cp)
@@ -316,6 +329,22 @@ def markdown(results, speed=()) -> str:
       lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | {p['bytes_mean']:.2f} ({p['bytes_max']:.2f}) | "
                    f"{p['left_out_mean']:.2%} ({p['left_out_max']:.2%}) | {p['row_mean']:.3f} ({p['row_max']:.3f}) | "
                    f"{taken} |")
+    grouped = [e for e in placed if GROUPED in e]
+    if grouped:
+      lines += [
+          "", "### With grouped shared regions", "",
+          "The same rows, the shared region exchanged within groups of g ranks (g from 2, 4, ..., cp; "
+          "`choose_placement(groups=...)` tries each (g, R) by the tokens a rank receives, fewest "
+          "first). Cell: bytes a rank gathers relative to all_gather's (g * R / S), mean (max) over "
+          "rows; tokens left out; causal work max/mean; the group sizes taken (g: rows).", "",
+          "| mix | S | cp | bytes vs all_gather | left out | work max/mean | groups taken |",
+          "|---|---|---|---|---|---|---|"]
+      for e in grouped:
+        p = e[GROUPED]
+        taken = ", ".join(f"{k}: {n}" for k, n in p["groups_taken"].items())
+        lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | {p['bytes_mean']:.2f} "
+                     f"({p['bytes_max']:.2f}) | {p['left_out_mean']:.2%} ({p['left_out_max']:.2%}) | "
+                     f"{p['row_mean']:.3f} ({p['row_max']:.3f}) | {taken} |")
   tiled = [e for e in results if "tile_overhead" in e[STRATEGIES[0]]]
   tile_strategies = [st for st in STRATEGIES if st != PLACEMENT]
   if tiled:
