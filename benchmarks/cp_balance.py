@@ -291,6 +291,15 @@ def run(rows: int, seed: int, seq_lens=SEQ_LENS, cp_sizes=CP_SIZES, mixes=None,
   return results
 
 
+def _placement_row(e, key, taken_key) -> str:
+  """A placement table's row: bytes, left out, work balance and what the rows took."""
+  p = e[key]
+  taken = ", ".join(f"{k}: {n}" for k, n in p[taken_key].items())
+  return (f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | {p['bytes_mean']:.2f} ({p['bytes_max']:.2f}) | "
+          f"{p['left_out_mean']:.2%} ({p['left_out_max']:.2%}) | {p['row_mean']:.3f} ({p['row_max']:.3f}) | "
+          f"{taken} |")
+
+
 def markdown(results, speed=()) -> str:
   lines = [
       "# Context-parallel load balance (simulated causal work)",
@@ -323,12 +332,7 @@ def markdown(results, speed=()) -> str:
         "eighths of S/cp: rows).", "",
         "| mix | S | cp | bytes vs all_gather | left out | work max/mean | sizes taken |",
         "|---|---|---|---|---|---|---|"]
-    for e in placed:
-      p = e[PLACEMENT]
-      taken = ", ".join(f"{k}: {n}" for k, n in p.get("sizes_taken", {}).items())
-      lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | {p['bytes_mean']:.2f} ({p['bytes_max']:.2f}) | "
-                   f"{p['left_out_mean']:.2%} ({p['left_out_max']:.2%}) | {p['row_mean']:.3f} ({p['row_max']:.3f}) | "
-                   f"{taken} |")
+    lines += [_placement_row(e, PLACEMENT, "sizes_taken") for e in placed]
     grouped = [e for e in placed if GROUPED in e]
     if grouped:
       lines += [
@@ -339,12 +343,7 @@ def markdown(results, speed=()) -> str:
           "rows; tokens left out; causal work max/mean; the group sizes taken (g: rows).", "",
           "| mix | S | cp | bytes vs all_gather | left out | work max/mean | groups taken |",
           "|---|---|---|---|---|---|---|"]
-      for e in grouped:
-        p = e[GROUPED]
-        taken = ", ".join(f"{k}: {n}" for k, n in p["groups_taken"].items())
-        lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | {p['bytes_mean']:.2f} "
-                     f"({p['bytes_max']:.2f}) | {p['left_out_mean']:.2%} ({p['left_out_max']:.2%}) | "
-                     f"{p['row_mean']:.3f} ({p['row_max']:.3f}) | {taken} |")
+      lines += [_placement_row(e, GROUPED, "groups_taken") for e in grouped]
   tiled = [e for e in results if "tile_overhead" in e[STRATEGIES[0]]]
   tile_strategies = [st for st in STRATEGIES if st != PLACEMENT]
   if tiled:
