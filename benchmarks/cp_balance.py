@@ -221,7 +221,8 @@ def placement_entry(seg: np.ndarray, cp: int, grouped: bool = False) -> dict:
   """Causal work balance, bytes and left-out share of a DocumentPlacement chosen per row (the
   data pipeline's rule: the smallest shared size that balances; what finds no room left out).
   grouped: the shared region may also be exchanged within groups of ranks (group_sizes), the
-  candidate (group g, R) taken by the tokens a rank receives; bytes then count g * R."""
+  candidate (group g, R) taken by the tokens a rank receives. Bytes: what a rank receives,
+  (g - 1) * R tokens, over all_gather's, (cp - 1) * S / cp (= cp * R / S ungrouped)."""
   s = seg.shape[-1]
   per_row, shared, left_out, work, groups = [], [], [], [], []
   for row in seg:
@@ -231,7 +232,7 @@ def placement_entry(seg: np.ndarray, cp: int, grouped: bool = False) -> dict:
     per_row.append(float(imbalance(w)[0]))
     work.append(w[0])
     groups.append(placement.group_size(cp))
-    shared.append(groups[-1] * placement.shared_tokens / s)
+    shared.append((groups[-1] - 1) * placement.shared_tokens * cp / ((cp - 1) * s))
     left_out.append(float(evicted.sum()) / max(int((row != 0).sum()), 1))
   sizes, counts = np.unique(np.round(np.asarray(shared) * 8).astype(int), return_counts=True)
   entry = dict(row_mean=float(np.mean(per_row)), row_max=float(np.max(per_row)),
@@ -339,8 +340,8 @@ def markdown(results, speed=()) -> str:
           "", "### With grouped shared regions", "",
           "The same rows, the shared region exchanged within groups of g ranks (g from 2, 4, ..., cp; "
           "`choose_placement(groups=...)` tries each (g, R) by the tokens a rank receives, fewest "
-          "first). Cell: bytes a rank gathers relative to all_gather's (g * R / S), mean (max) over "
-          "rows; tokens left out; causal work max/mean; the group sizes taken (g: rows).", "",
+          "first). Cell: bytes a rank receives relative to all_gather's ((g - 1) * R against (cp - 1) * S "
+          "/ cp), mean (max) over rows; tokens left out; causal work max/mean; the group sizes taken (g: rows).", "",
           "| mix | S | cp | bytes vs all_gather | left out | work max/mean | groups taken |",
           "|---|---|---|---|---|---|---|"]
       lines += [_placement_row(e, GROUPED, "groups_taken") for e in grouped]

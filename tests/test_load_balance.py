@@ -227,6 +227,16 @@ def _brute_force_rank_work(seg, perm, cp):
   return np.bincount(rank_of_token, weights=allowed.sum(1), minlength=cp)
 
 
+def test_simulator_grouped_placement_receives_no_more():
+  """The simulation's grouped placement: a rank receives at most what the ungrouped one receives
+  (the chooser tries candidates by received tokens), and the table lists it."""
+  results = sim.run(rows=2, seed=1, seq_lens=(16384,), cp_sizes=(4, 8), mixes=["lognormal_2k", "lognormal_8k"])
+  for e in results:
+    assert e[sim.GROUPED]["bytes_max"] <= e[sim.PLACEMENT]["bytes_max"] + 1e-9, e
+    assert sum(e[sim.GROUPED]["groups_taken"].values()) == 2
+  assert "With grouped shared regions" in sim.markdown(results)
+
+
 @pytest.mark.parametrize("strategy", ["contiguous", "striped", "zigzag"] + list(DOC_AWARE))
 def test_simulator_matches_brute_force(strategy):
   rng = np.random.default_rng(3)
