@@ -301,6 +301,12 @@ def _placement_row(e, key, taken_key) -> str:
           f"{taken} |")
 
 
+def _placement_table(title, description, entries, key, taken_title, taken_key) -> list[str]:
+  return ["", title, "", description, "",
+          f"| mix | S | cp | bytes vs all_gather | left out | work max/mean | {taken_title} |",
+          "|---|---|---|---|---|---|---|"] + [_placement_row(e, key, taken_key) for e in entries]
+
+
 def markdown(results, speed=()) -> str:
   lines = [
       "# Context-parallel load balance (simulated causal work)",
@@ -324,27 +330,22 @@ def markdown(results, speed=()) -> str:
           f"{max(e[st]['row_max'] for e in sel):.3f}" for st in STRATEGIES) + " |")
   placed = [e for e in results if PLACEMENT in e]
   if placed:
-    lines += [
-        "", "## Document placement: what it exchanges and leaves out", "",
+    lines += _placement_table(
+        "## Document placement: what it exchanges and leaves out",
         "Per row, the smallest shared size (0, 1/8, 1/4, 3/8, 1/2, 3/4 or all of S/cp per rank) that "
         "balances the cost model within 2% with at most 2% of the tokens left out (a pipeline packs those "
         "into later rows). Cell: bytes exchanged relative to all_gather's (cp * R / S), mean (max) over rows; "
         "tokens left out, mean (max); causal work max/mean, mean (worst row); the sizes taken (R as "
-        "eighths of S/cp: rows).", "",
-        "| mix | S | cp | bytes vs all_gather | left out | work max/mean | sizes taken |",
-        "|---|---|---|---|---|---|---|"]
-    lines += [_placement_row(e, PLACEMENT, "sizes_taken") for e in placed]
-    grouped = [e for e in placed if GROUPED in e]
-    if grouped:
-      lines += [
-          "", "### With grouped shared regions", "",
-          "The same rows, the shared region exchanged within groups of g ranks (g from 2, 4, ..., cp; "
-          "`choose_placement(groups=...)` tries each (g, R) by the tokens a rank receives, fewest "
-          "first). Cell: bytes a rank receives relative to all_gather's ((g - 1) * R against (cp - 1) * S "
-          "/ cp), mean (max) over rows; tokens left out; causal work max/mean; the group sizes taken (g: rows).", "",
-          "| mix | S | cp | bytes vs all_gather | left out | work max/mean | groups taken |",
-          "|---|---|---|---|---|---|---|"]
-      lines += [_placement_row(e, GROUPED, "groups_taken") for e in grouped]
+        "eighths of S/cp: rows).", placed, PLACEMENT, "sizes taken", "sizes_taken")
+  grouped = [e for e in placed if GROUPED in e]
+  if grouped:
+    lines += _placement_table(
+        "### With grouped shared regions",
+        "The same rows, the shared region exchanged within groups of g ranks (g from 2, 4, ..., cp; "
+        "`choose_placement(groups=...)` tries each (g, R) by the tokens a rank receives, fewest "
+        "first). Cell: bytes a rank receives relative to all_gather's ((g - 1) * R against (cp - 1) * S "
+        "/ cp), mean (max) over rows; tokens left out; causal work max/mean; the group sizes taken (g: rows).",
+        grouped, GROUPED, "groups taken", "groups_taken")
   tiled = [e for e in results if "tile_overhead" in e[STRATEGIES[0]]]
   tile_strategies = [st for st in STRATEGIES if st != PLACEMENT]
   if tiled:
