@@ -3,7 +3,7 @@
   `jaxcp_small_seq_{fwd,bwd}` of the current platform. The kernels see one flat layout:
   q [B, Hq, D], k/v [T, Hkv, D], and per row int32 kv_start, kv_len, kv_mask [B] (row b attends
   to tokens kv_start[b] + j, j < kv_len[b], whose bit j of kv_mask[b] is set), with the static
-  attribute max_len (<= 16). An index array may be empty ([0], `DEFAULT_INDEX`): its default,
+  attribute max_len (<= 16). An index array may be empty ([0], `default_index()`): its default,
   which then costs no kernel of its own (kv_start: b * max_len, the padded layout; kv_len:
   max_len; kv_mask: every token). They clamp len into [0, max_len] and start/len into [0, T], so
   out-of-range runtime values never read or write out of bounds.
