@@ -380,9 +380,8 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
   shard = s // cp
   r_tokens = placement.shared_tokens
   group = placement.group_size(cp)
-  if r_tokens == shard and group == cp and cp <= ALL_SHARED_BLOCKS_MAX_CP and s % (cp * ALL_SHARED_BLOCK) == 0:
-    order = balanced_blocks_order(row[None], cp, ALL_SHARED_BLOCK, np)[0]
-    perm = (order[:, None] * ALL_SHARED_BLOCK + np.arange(ALL_SHARED_BLOCK)).reshape(s).astype(np.int32)
+  if group == cp and _takes_blocks(s, cp, r_tokens, shard):
+    perm = _blocks_perm(row, cp).astype(np.int32)
     return perm, np.zeros(s, bool)
   capacity = shard - r_tokens
   real_run = seg.run_seg >= 0
@@ -427,15 +426,26 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
   return perm, evicted
 
 
+def _takes_blocks(n: int, ranks: int, r_tokens: int, shard: int) -> bool:
+  """Whether n shared tokens over `ranks` ranks are laid out in balanced blocks: they fill whole
+  shards (R = S / cp), up to ALL_SHARED_BLOCKS_MAX_CP ranks, in whole blocks."""
+  return r_tokens == shard and ranks <= ALL_SHARED_BLOCKS_MAX_CP and n % (ranks * ALL_SHARED_BLOCK) == 0
+
+
+def _blocks_perm(x: np.ndarray, ranks: int) -> np.ndarray:
+  """The balanced_blocks permutation of the tokens x (blocks of ALL_SHARED_BLOCK over `ranks`)."""
+  order = balanced_blocks_order(x[None], ranks, ALL_SHARED_BLOCK, np)[0]
+  return (order[:, None] * ALL_SHARED_BLOCK + np.arange(ALL_SHARED_BLOCK)).reshape(x.size)
+
+
 def _stream_places(stream: np.ndarray, group: int, r_tokens: int, shard: int, capacity: int) -> np.ndarray:
   """Where each token of a shared stream (group * R tokens, in row order, padding at the end)
   goes, counted from the start of its group's first shard: the shared region (the last R tokens)
   of one of the group's ranks. A stream that fills whole shards (R = S / cp) takes balanced
   blocks of 128 tokens up to 4 ranks (see ALL_SHARED_BLOCKS_MAX_CP), zigzag pieces otherwise."""
   n = stream.size
-  if r_tokens == shard and group <= ALL_SHARED_BLOCKS_MAX_CP and n % (group * ALL_SHARED_BLOCK) == 0:
-    order = balanced_blocks_order(stream[None], group, ALL_SHARED_BLOCK, np)[0]
-    perm = (order[:, None] * ALL_SHARED_BLOCK + np.arange(ALL_SHARED_BLOCK)).reshape(n)
+  if _takes_blocks(n, group, r_tokens, shard):
+    perm = _blocks_perm(stream, group)
     places = np.empty(n, np.int64)
     places[perm] = np.arange(n)
     return places

@@ -6,7 +6,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import compat
 from ..primitive_utils import mesh_axis_size, spec_of
-from .primitive import local_bwd, local_fwd, small_seq_bwd_p, small_seq_fwd_p
+from .primitive import is_default, local_bwd, local_fwd, small_seq_bwd_p, small_seq_fwd_p
 
 # ---------------------------------------------------------------- sharding (DP + TP, no collective)
 
@@ -31,7 +31,7 @@ def _choose_axes(config, mesh, q, k):
 
 def _index_empty(shapes, backward):
   """Which index arrays are empty (their default, primitive.default_index): never sharded."""
-  return tuple(x.shape[0] == 0 for x in shapes[5 if backward else 3:])
+  return tuple(is_default(x) for x in shapes[5 if backward else 3:])
 
 
 def _specs(config, batch, heads, backward, empty):
