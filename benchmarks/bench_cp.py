@@ -11,6 +11,8 @@ context_parallel=placement),
 "all_gather" on balanced_blocks rows and "ring" on striped rows (the best of the others).
 Reported per case:
   efficiency     T1 / (N * TN), T1 the one-GPU time of the same row;
+  split work     (in the JSON, with each rank's time) the ranks' kernel times added up over T1:
+                 what cutting the row costs in kernel work, before any imbalance;
   exposed comm   (TN - Tcompute) / TN, Tcompute the slowest rank's kernels timed alone on one
                  GPU (its queries against the keys it attends to, all local);
   MB/rank        bytes a rank receives per forward+backward (K and V in bf16, segment ids and
@@ -116,9 +118,9 @@ def bytes_per_rank(strategy, n, s, hkv, shared=0, gathers=2, group=None):
   return (n - 1) * (s // n) * (2 * kv_token + grad_token)
 
 
-def rank_compute_time(strategy, arrays, n, shared, reps, group=None):
-  """The slowest rank's own kernels timed alone on one GPU (what it computes, no communication);
-  group: the ranks whose shared keys a placement's shared queries see (default all n)."""
+def rank_compute_times(strategy, arrays, n, shared, reps, group=None):
+  """Each rank's own kernels timed alone on one GPU (what it computes, no communication), in
+  seconds; group: the ranks whose shared keys a placement's shared queries see (default all n)."""
   dev = jax.devices()[0]
   q, k, v, do, seg, pos = arrays
   shard = q.shape[1] // n
@@ -143,7 +145,7 @@ def rank_compute_time(strategy, arrays, n, shared, reps, group=None):
                                                 seg[:, ki], pos[:, ki])]
       total += common.time_fn(_local, *args, warmup=1, reps=reps)
     times.append(total)
-  return max(times)
+  return times
 
 
 def rel_err(a, b):
@@ -226,11 +228,13 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
       t = common.time_fn(f, *args, warmup=1, reps=reps)
       got = f(*args)
       err = max(rel_err(jaxcp.restore_order(a, n, axis=1, strategy=perm), b) for a, b in zip(got, ref))
-      t_comp = (rank_compute_time(strategy, host, n, shared, max(2, reps // 2), group) if n in exposed_gpus
-                else float("nan"))
+      ranks_t = (rank_compute_times(strategy, host, n, shared, max(2, reps // 2), group) if n in exposed_gpus
+                 else [float("nan")])
+      t_comp = max(ranks_t)
       op = {"placement": "all-gather", "ring": "collective-permute"}.get(strategy)
       row = dict(base, gpus=n, strategy=strategy, balance=balance, shared_tokens=shared, shared_group=group, ms=t * 1e3,
                  tflops=flops / t / 1e12, efficiency=t1 / (n * t), compute_ms=t_comp * 1e3,
+                 rank_compute_ms=[x * 1e3 for x in ranks_t], split_work=sum(ranks_t) / t1,
                  exposed_comm=max(0.0, (t - t_comp) / t) if t_comp == t_comp else None, max_rel_err=err,
                  mb_per_rank=bytes_per_rank(strategy, n, seq_len, hkv, shared, group=group,
                                             gathers=1 if jaxcp_keeps_gathered(context_parallel) else 2) / 1e6,
@@ -240,7 +244,8 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
         row["overlap"] = row["overlap"] and overlap_evidence(hlo, "all-to-all")
       rows.append(row)
       print(f"  {n} GPUs {strategy:10s} {balance:15s} R={shared:6d}: {t * 1e3:7.1f} ms, eff {row['efficiency']:.3f}, "
-            f"exposed {row['exposed_comm']}, {row['mb_per_rank']:.0f} MB/rank, err {err:.1e}, "
+            f"exposed {row['exposed_comm']}, ranks {sum(ranks_t) / t1:.3f} x T1 (max {t_comp * n / t1:.3f}), "
+            f"{row['mb_per_rank']:.0f} MB/rank, err {err:.1e}, "
             f"overlap {row['overlap']}", flush=True)
   return rows
 

@@ -281,21 +281,21 @@ def test_placement_under_remat_and_vmap(cpu_devices):
 
 
 def test_all_shared_rows_take_balanced_blocks(cpu_devices):
-  """R = S / cp gathers every key: the layout is all_gather's balanced blocks (S a multiple of
-  cp * 128), and the attention on it equals the unsharded call."""
-  cp, s = 4, 1024
+  """R = S / cp gathers every key: the layout is all_gather's balanced blocks (at least 8 blocks
+  of 128 tokens a rank), and the attention on it equals the unsharded call."""
+  cp, s = 2, 2048
   seg = np.zeros((1, s), np.int32)
-  seg[0, :700], seg[0, 700:990] = 1, 2
+  seg[0, :1400], seg[0, 1400:1980] = 1, 2
   pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
   placement = jaxcp.DocumentPlacement(s // cp)
   perm = jaxcp.load_balance_permutation(seg, cp, strategy=placement)
   np.testing.assert_array_equal(perm, jaxcp.load_balance_permutation(seg, cp, strategy="balanced_blocks"))
   np.testing.assert_array_equal(perm, np.asarray(jax.jit(
       lambda x: jaxcp.load_balance_permutation(x, cp, strategy=placement))(jnp.asarray(seg))))
-  # Past 4 ranks (blocks get coarse for a shard; not measured) the zigzag pieces stay.
-  wide = jaxcp.DocumentPlacement(s // 8)
-  assert not np.array_equal(jaxcp.load_balance_permutation(seg, 8, strategy=wide),
-                            jaxcp.load_balance_permutation(seg, 8, strategy="balanced_blocks"))
+  # Fewer than 8 blocks a rank balance poorly: zigzag pieces.
+  wide = jaxcp.DocumentPlacement(s // 4)
+  assert not np.array_equal(jaxcp.load_balance_permutation(seg, 4, strategy=wide),
+                            jaxcp.load_balance_permutation(seg, 4, strategy="balanced_blocks"))
   rng = np.random.default_rng(5)
   qkv = [jnp.asarray(rng.standard_normal((1, s, h, D)), jnp.float32) for h in (HQ, HKV, HKV, HQ)]
   arrays = [jaxcp.load_balance(jnp.asarray(x), cp, strategy=perm) for x in (*qkv, seg, pos)]
@@ -304,6 +304,37 @@ def test_all_shared_rows_take_balanced_blocks(cpu_devices):
   args = [jax.device_put(x, sh) for x, sh in zip(arrays, (s4, s4, s4, s4, s2, s2))]
   got = jax.jit(_fwd_bwd(placement, MASKS["causal"]))(*args)
   _check(got, jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
+
+
+@pytest.mark.parametrize("cp,group", [(2, None), (4, None), (4, 2)])
+def test_shared_stream_takes_tile_blocks(cp, group):
+  """A shared region of R < S / cp tokens (a multiple of 128, at least 8 blocks a rank) holds whole
+  128-token blocks of the shared stream: each block is one run of the stream (every piece edge
+  on a tile edge), and the shared causal work is even over the ranks."""
+  s, r_tokens = 4096 * cp, 2048 if cp == 2 else 1024
+  rng = np.random.default_rng(cp)
+  lengths = np.maximum(rng.lognormal(np.log(900), 1.0, 64).astype(int), 1)
+  lengths[0] = s // cp - r_tokens + 500             # longer than a local region: shared
+  seg = np.repeat(np.arange(1, 65, dtype=np.int32), lengths)[:s]
+  seg = np.pad(seg, (0, s - seg.size))[None]
+  placement = jaxcp.DocumentPlacement(r_tokens, cp_size=cp if group else None, shared_group=group)
+  perm, _, evicted = place_rows(seg, cp, placement, evict=True)
+  seg = np.where(evicted, 0, seg)
+  shard = s // cp
+  src = perm[0].reshape(cp, shard)[:, shard - r_tokens:]          # row index of each shared token
+  blocks = src.reshape(cp, -1, 128)
+  real = seg[0][blocks] != 0
+  assert real.sum() > r_tokens                       # more than one rank's worth is shared
+  stream = np.searchsorted(np.sort(blocks[real]), blocks)        # index in the shared stream
+  for b, m in zip(stream.reshape(-1, 128), real.reshape(-1, 128)):
+    assert np.all(np.diff(b[m]) == 1), "a block holds more than one run of the stream"
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))[0]
+  work = np.where(real, pos[blocks] + 1, 0).sum(axis=(1, 2))
+  g = group or cp
+  for j in range(cp // g):
+    w = work[j * g:(j + 1) * g]
+    assert w.max() <= 1.03 * w.mean(), w
+  assert not placement_violations(np.take_along_axis(seg, perm, 1), cp, placement)
 
 
 @pytest.mark.parametrize("shared,keep", [(0, False), (8, False), (16, False), (8, True), (16, True)])

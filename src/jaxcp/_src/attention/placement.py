@@ -6,10 +6,13 @@ with ``shared_tokens = R`` its shard is two regions:
 * the first ``S / cp - R`` tokens are *local*: whole segments (a segment is every token of one
   segment id in the row) that live on this rank alone, plus padding;
 * the last ``R`` tokens are *shared*: pieces of the segments that are spread over all ranks.
-  Every shared segment is cut into ``2 * cp`` zigzag pieces (piece ``j`` and its mirror
-  ``2 * cp - 1 - j`` on one rank), so its causal work is even over the ranks.
+  The shared segments, back to back, are cut into blocks of 128 tokens (the kernels' tile) and
+  the blocks dealt to the ranks by causal work, heaviest with lightest (balanced_blocks), so the
+  shared work is even over the ranks and every piece edge falls on a tile edge. (A region that
+  is not a multiple of 128 tokens, or shorter than 8 blocks, takes ``2 * cp`` zigzag pieces of
+  each segment instead.)
   With ``shared_group = g`` the ranks form consecutive groups of ``g`` and each shared segment is
-  spread over the ranks of one group only (``2 * g`` pieces): the exchange runs within groups.
+  spread over the ranks of one group only: the exchange runs within groups.
 
 Attention on such a layout is two independent problems with no merge: local queries against
 the local keys of their own rank (no communication) and shared queries against the shared keys
@@ -46,11 +49,12 @@ DEFAULT_TOKEN_COST = 291.0
 DEFAULT_PAIR_COST = 0.5
 # A placement is balanced when its costliest rank is at most this far above the mean.
 DEFAULT_TOLERANCE = 0.02
-# A placement that shares every segment (R = S / cp) gathers every key, so any layout is exact:
-# up to 4 ranks it takes all_gather's balanced blocks of 128 tokens (the kernels' tile), which
-# ran 1-7% faster than zigzag pieces on rows of one or a few long documents (2 and 4 H200s).
-# Beyond, blocks get coarse for a shard (cp_balance.py) and nothing was measured: zigzag pieces.
-ALL_SHARED_BLOCK, ALL_SHARED_BLOCKS_MAX_CP = 128, 4
+# Shared tokens are dealt to ranks in balanced blocks of 128 tokens (the kernels' tile; see
+# balanced_blocks_order): zigzag pieces of each segment cut the tiles at every piece edge, and a
+# tile-skipping kernel then visits 7-10% more tiles than one GPU at 4 ranks, 20-130% more at 8-16
+# (cp_balance.py's tile model), while blocks stay within 1-2% at even causal work (0.1-0.3%).
+# A shared region of fewer than MIN_STREAM_BLOCKS blocks per rank takes zigzag pieces.
+ALL_SHARED_BLOCK, MIN_STREAM_BLOCKS = 128, 8
 # choose_placement's default sizes: these fractions of S / cp (the last is the full exchange).
 DEFAULT_SHARED_FRACTIONS = (0.0, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
 
@@ -380,7 +384,7 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
   shard = s // cp
   r_tokens = placement.shared_tokens
   group = placement.group_size(cp)
-  if group == cp and _takes_blocks(s, cp, r_tokens, shard):
+  if group == cp and r_tokens == shard and _takes_blocks(r_tokens):
     perm = _blocks_perm(row, cp).astype(np.int32)
     return perm, np.zeros(s, bool)
   capacity = shard - r_tokens
@@ -426,10 +430,9 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
   return perm, evicted
 
 
-def _takes_blocks(n: int, ranks: int, r_tokens: int, shard: int) -> bool:
-  """Whether n shared tokens over `ranks` ranks are laid out in balanced blocks: they fill whole
-  shards (R = S / cp), up to ALL_SHARED_BLOCKS_MAX_CP ranks, in whole blocks."""
-  return r_tokens == shard and ranks <= ALL_SHARED_BLOCKS_MAX_CP and n % (ranks * ALL_SHARED_BLOCK) == 0
+def _takes_blocks(r_tokens: int) -> bool:
+  """Whether a shared region of R tokens per rank takes balanced blocks (else zigzag pieces)."""
+  return r_tokens % ALL_SHARED_BLOCK == 0 and r_tokens // ALL_SHARED_BLOCK >= MIN_STREAM_BLOCKS
 
 
 def _blocks_perm(x: np.ndarray, ranks: int) -> np.ndarray:
@@ -441,14 +444,14 @@ def _blocks_perm(x: np.ndarray, ranks: int) -> np.ndarray:
 def _stream_places(stream: np.ndarray, group: int, r_tokens: int, shard: int, capacity: int) -> np.ndarray:
   """Where each token of a shared stream (group * R tokens, in row order, padding at the end)
   goes, counted from the start of its group's first shard: the shared region (the last R tokens)
-  of one of the group's ranks. A stream that fills whole shards (R = S / cp) takes balanced
-  blocks of 128 tokens up to 4 ranks (see ALL_SHARED_BLOCKS_MAX_CP), zigzag pieces otherwise."""
+  of one of the group's ranks: balanced blocks of 128 tokens (zigzag pieces when R is not a
+  multiple of 128 or holds fewer than MIN_STREAM_BLOCKS blocks; see ALL_SHARED_BLOCK)."""
   n = stream.size
-  if _takes_blocks(n, group, r_tokens, shard):
+  if _takes_blocks(r_tokens):
     perm = _blocks_perm(stream, group)
     places = np.empty(n, np.int64)
-    places[perm] = np.arange(n)
-    return places
+    places[perm] = np.arange(n)          # rank-major: rank places // R, slot places % R
+    return places // r_tokens * shard + capacity + places % r_tokens
   stream_rank = _zigzag_ranks(stream, group)
   order = np.argsort(stream_rank, kind="stable")
   slot = np.empty(n, np.int64)
