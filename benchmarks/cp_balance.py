@@ -78,6 +78,31 @@ def imbalance(work: np.ndarray) -> np.ndarray:
   return np.where(mean > 0, work.max(-1) / np.maximum(mean, 1e-300), 1.0)
 
 
+def _tile_summary(seg: np.ndarray, pos: np.ndarray, tile: int):
+  """Per tile of `tile` tokens (the last axis padded to whole tiles): min / max non-zero segment
+  id and min / max position (an all-padding tile: min > max)."""
+  pad = -seg.shape[-1] % tile
+  if pad:
+    widths = [(0, 0)] * (seg.ndim - 1) + [(0, pad)]
+    seg, pos = np.pad(seg, widths), np.pad(pos, widths)
+  shape = seg.shape[:-1] + (seg.shape[-1] // tile, tile)
+  seg, pos = seg.reshape(shape), pos.reshape(shape)
+  real = seg != 0
+  big = np.iinfo(np.int64).max
+  return (np.where(real, seg, big).min(-1), np.where(real, seg, -1).max(-1),
+          np.where(real, pos, big).min(-1), np.where(real, pos, -1).max(-1))
+
+
+def _visited(queries, keys, tile: int) -> np.ndarray:
+  """Area per query tile that a tile-skipping kernel computes: tile**2 for every key tile whose
+  segment range overlaps the query tile's and whose first position is not after its last."""
+  (qs0, qs1, _, qp1), (ks0, ks1, kp0, _) = queries, keys
+  q = lambda a: a[..., :, None]
+  k = lambda a: a[..., None, :]
+  visit = (q(qs0) <= k(ks1)) & (q(qs1) >= k(ks0)) & (q(qp1) >= k(kp0))
+  return visit.sum(-1, dtype=np.int64) * tile * tile
+
+
 def tile_work(segment_ids: np.ndarray, perm, cp_size: int, tile: int = 128) -> np.ndarray:
   """int64 [..., cp]: (q, k) pairs in the tiles a tile-skipping kernel visits, per rank.
 
@@ -92,21 +117,33 @@ def tile_work(segment_ids: np.ndarray, perm, cp_size: int, tile: int = 128) -> n
     perm = np.asarray(perm)
     seg = seg[..., perm] if perm.ndim == 1 else np.take_along_axis(seg, perm, axis=-1)
     pos = pos[..., perm] if perm.ndim == 1 else np.take_along_axis(pos, perm, axis=-1)
-  s = seg.shape[-1]
-  assert s % (tile * cp_size) == 0
-  shape = seg.shape[:-1] + (s // tile, tile)
-  seg, pos = seg.reshape(shape), pos.reshape(shape)
-  real = seg != 0
-  big = np.iinfo(np.int64).max
-  smin = np.where(real, seg, big).min(-1)
-  smax = np.where(real, seg, -1).max(-1)
-  pmin = np.where(real, pos, big).min(-1)
-  pmax = np.where(real, pos, -1).max(-1)
-  q = lambda a: a[..., :, None]
-  k = lambda a: a[..., None, :]
-  visit = (q(smin) <= k(smax)) & (q(smax) >= k(smin)) & (q(pmax) >= k(pmin))  # empty: smin > smax
-  per_q_tile = visit.sum(-1, dtype=np.int64) * tile * tile
+  assert seg.shape[-1] % (tile * cp_size) == 0
+  summary = _tile_summary(seg, pos, tile)
+  per_q_tile = _visited(summary, summary, tile)
   return per_q_tile.reshape(per_q_tile.shape[:-1] + (cp_size, -1)).sum(-1)
+
+
+def placed_tile_work(row: np.ndarray, perm: np.ndarray, cp: int, placement, tile: int = 128) -> np.ndarray:
+  """int64 [cp]: what a tile-skipping kernel visits on each rank of one placed row (tile_work's
+  model): its local queries against its local keys, its shared queries against the shared keys
+  of its group (every rank, ungrouped)."""
+  seg = np.asarray(row)[perm]
+  pos = (causal_work_per_token(np.asarray(row)) - 1)[perm]
+  shard = seg.size // cp
+  r = placement.shared_tokens
+  c, g = shard - r, placement.group_size(cp)
+  out = np.zeros(cp, np.int64)
+  for rank in range(cp):
+    lo = rank * shard
+    if c:
+      local = _tile_summary(seg[lo:lo + c], pos[lo:lo + c], tile)
+      out[rank] += _visited(local, local, tile).sum()
+    if r:
+      first = rank // g * g
+      keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(first, first + g)])
+      out[rank] += _visited(_tile_summary(seg[lo + c:lo + shard], pos[lo + c:lo + shard], tile),
+                            _tile_summary(seg[keys], pos[keys], tile), tile).sum()
+  return out
 
 
 def permutation(strategy: str, segment_ids: np.ndarray, cp_size: int, block_size: int = 128):
@@ -217,20 +254,23 @@ def group_sizes(cp: int) -> tuple[int, ...]:
   return tuple(g for g in (2 ** i for i in range(1, 7)) if g < cp) + (cp,)
 
 
-def placement_entry(seg: np.ndarray, cp: int, grouped: bool = False) -> dict:
+def placement_entry(seg: np.ndarray, cp: int, grouped: bool = False, tile: int | None = None) -> dict:
   """Causal work balance, bytes and left-out share of a DocumentPlacement chosen per row (the
   data pipeline's rule: the smallest shared size that balances; what finds no room left out).
   grouped: the shared region may also be exchanged within groups of ranks (group_sizes), the
   candidate (group g, R) taken by the tokens a rank receives. Bytes: what a rank receives,
-  (g - 1) * R tokens, over all_gather's, (cp - 1) * S / cp (= cp * R / S ungrouped)."""
+  (g - 1) * R tokens, over all_gather's, (cp - 1) * S / cp (= cp * R / S ungrouped).
+  tile: also model the tiles each rank's kernels visit (placed_tile_work)."""
   s = seg.shape[-1]
-  per_row, shared, left_out, work, groups = [], [], [], [], []
+  per_row, shared, left_out, work, groups, tiles = [], [], [], [], [], []
   for row in seg:
     placement, perm, _, evicted = choose_with_eviction(row[None], cp, groups=group_sizes(cp) if grouped else None)
     placed = np.where(evicted, 0, row[None])
     w = rank_work(placed, perm, cp)
     per_row.append(float(imbalance(w)[0]))
     work.append(w[0])
+    if tile:
+      tiles.append(placed_tile_work(placed[0], perm[0], cp, placement, tile))
     groups.append(placement.group_size(cp))
     shared.append((groups[-1] - 1) * placement.shared_tokens * cp / ((cp - 1) * s))
     left_out.append(float(evicted.sum()) / max(int((row != 0).sum()), 1))
@@ -239,6 +279,11 @@ def placement_entry(seg: np.ndarray, cp: int, grouped: bool = False) -> dict:
                batch=float(imbalance(np.sum(work, axis=0))), bytes_mean=float(np.mean(shared)),
                bytes_max=float(np.max(shared)), left_out_mean=float(np.mean(left_out)),
                left_out_max=float(np.max(left_out)))
+  if tile:
+    tiles, work = np.asarray(tiles), np.asarray(work)
+    step = tiles.max(-1) / (work.sum(-1) / cp)
+    entry.update(tile_overhead=float(tiles.sum() / work.sum()), tile_step_mean=float(step.mean()),
+                 tile_step_max=float(step.max()))
   if grouped:
     g, n = np.unique(groups, return_counts=True)
     return dict(entry, groups_taken={int(k): int(c) for k, c in zip(g, n)})
@@ -271,9 +316,11 @@ def run(rows: int, seed: int, seq_lens=SEQ_LENS, cp_sizes=CP_SIZES, mixes=None,
       for cp in cp_sizes:
         entry = dict(mix=name, seq_len=s, cp=cp, rows=rows, docs_per_row=docs / rows,
                      padding=float((seg == 0).mean()))
+        if s <= tile_max_seq:  # one kernel over the whole row: the reference for the tile model
+          entry["one_gpu_tile_overhead"] = float(tile_work(seg, None, 1, tile).sum() / rank_work(seg, None, 1).sum())
         for strategy in STRATEGIES:
           if strategy == PLACEMENT:
-            entry[strategy] = placement_entry(seg, cp)
+            entry[strategy] = placement_entry(seg, cp, tile=tile if s <= tile_max_seq else None)
             entry[GROUPED] = placement_entry(seg, cp, grouped=True)
             continue
           perm = permutation(strategy, seg, cp, tile)
@@ -347,23 +394,24 @@ def markdown(results, speed=()) -> str:
         "/ cp), mean (max) over rows; tokens left out; causal work max/mean; the group sizes taken (g: rows).",
         grouped, GROUPED, "groups taken", "groups_taken")
   tiled = [e for e in results if "tile_overhead" in e[STRATEGIES[0]]]
-  tile_strategies = [st for st in STRATEGIES if st != PLACEMENT]
+  tile_strategies = list(STRATEGIES)
   if tiled:
     lines += [
         "", "## What a tile-skipping kernel visits (128 x 128 tiles)", "",
         "Per-tile summaries (min/max segment id and position) decide which (query tile, key tile) "
-        "pairs are computed, on the permuted layout (keys all-gathered in the same order). "
+        "pairs are computed, on the permuted layout (keys all-gathered in the same order; the "
+        "placement: local queries against the rank's local keys, shared queries against the shared keys). "
         "Cell: `overhead` = visited area / allowed pairs over the batch (1.0 = no waste); then "
         "`step` = visited area of the busiest rank / (allowed pairs / cp), mean over rows (worst "
         "row): the modelled step time relative to a perfect kernel with perfect balance. "
-        "balanced_blocks uses block_size = tile.", "",
-        "| mix | S | cp | " + " | ".join(tile_strategies) + " |",
-        "|---|---|---|" + "---|" * len(tile_strategies)]
+        "balanced_blocks uses block_size = tile. `1 GPU`: the overhead of one kernel over the whole row.", "",
+        "| mix | S | cp | 1 GPU | " + " | ".join(tile_strategies) + " |",
+        "|---|---|---|---|" + "---|" * len(tile_strategies)]
     for e in tiled:
       cells = [f"{e[st]['tile_overhead']:.2f}, {e[st]['tile_step_mean']:.2f} "
                f"({e[st]['tile_step_max']:.2f})" for st in tile_strategies]
-      lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | " + " | ".join(cells)
-                   + " |")
+      lines.append(f"| {e['mix']} | {e['seq_len'] // 1024}k | {e['cp']} | {e['one_gpu_tile_overhead']:.2f} | "
+                   + " | ".join(cells) + " |")
     lines += ["", "Worst row over all packed mixes, modelled step (busiest rank's visited area / "
               "(allowed / cp)):", "", "| cp | " + " | ".join(tile_strategies) + " |",
               "|---|" + "---|" * len(tile_strategies)]

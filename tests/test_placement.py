@@ -280,22 +280,27 @@ def test_placement_under_remat_and_vmap(cpu_devices):
   _check([g[0] for g in got], want)
 
 
-def test_all_shared_rows_take_balanced_blocks(cpu_devices):
-  """R = S / cp gathers every key: the layout is all_gather's balanced blocks (at least 8 blocks
-  of 128 tokens a rank), and the attention on it equals the unsharded call."""
+def test_all_shared_rows_take_even_blocks(cpu_devices):
+  """R = S / cp gathers every key: the row is dealt to the ranks in whole blocks of 128 tokens
+  of even causal work, and the attention on it equals the unsharded call."""
   cp, s = 2, 2048
   seg = np.zeros((1, s), np.int32)
   seg[0, :1400], seg[0, 1400:1980] = 1, 2
   pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
   placement = jaxcp.DocumentPlacement(s // cp)
   perm = jaxcp.load_balance_permutation(seg, cp, strategy=placement)
-  np.testing.assert_array_equal(perm, jaxcp.load_balance_permutation(seg, cp, strategy="balanced_blocks"))
+  blocks = perm[0].reshape(-1, 128)
+  np.testing.assert_array_equal(blocks, blocks[:, :1] + np.arange(128))     # whole blocks
+  work = np.where(seg[0] != 0, pos[0] + 1, 0)[perm[0]].reshape(cp, -1).sum(-1)
+  assert work.max() <= 1.01 * work.mean(), work
   np.testing.assert_array_equal(perm, np.asarray(jax.jit(
       lambda x: jaxcp.load_balance_permutation(x, cp, strategy=placement))(jnp.asarray(seg))))
-  # Fewer than 8 blocks a rank balance poorly: zigzag pieces.
-  wide = jaxcp.DocumentPlacement(s // 4)
-  assert not np.array_equal(jaxcp.load_balance_permutation(seg, 4, strategy=wide),
-                            jaxcp.load_balance_permutation(seg, 4, strategy="balanced_blocks"))
+  # A region that is not a multiple of the 128-token block: zigzag pieces, every rank evened.
+  odd = seg[:, :1000]
+  zig = jaxcp.load_balance_permutation(odd, 4, strategy=jaxcp.DocumentPlacement(250))
+  work = np.where(odd[0] != 0, pos[0, :1000] + 1, 0)[zig[0]].reshape(4, -1).sum(-1)
+  assert work.max() <= 1.01 * work.mean(), work
+  assert not placement_violations(np.take_along_axis(odd, zig, 1), 4, jaxcp.DocumentPlacement(250))
   rng = np.random.default_rng(5)
   qkv = [jnp.asarray(rng.standard_normal((1, s, h, D)), jnp.float32) for h in (HQ, HKV, HKV, HQ)]
   arrays = [jaxcp.load_balance(jnp.asarray(x), cp, strategy=perm) for x in (*qkv, seg, pos)]
@@ -308,7 +313,7 @@ def test_all_shared_rows_take_balanced_blocks(cpu_devices):
 
 @pytest.mark.parametrize("cp,group", [(2, None), (4, None), (4, 2)])
 def test_shared_stream_takes_tile_blocks(cp, group):
-  """A shared region of R < S / cp tokens (a multiple of 128, at least 8 blocks a rank) holds whole
+  """A shared region of R < S / cp tokens (a multiple of 128) holds whole
   128-token blocks of the shared stream: each block is one run of the stream (every piece edge
   on a tile edge), and the shared causal work is even over the ranks."""
   s, r_tokens = 4096 * cp, 2048 if cp == 2 else 1024

@@ -7,10 +7,9 @@ with ``shared_tokens = R`` its shard is two regions:
   segment id in the row) that live on this rank alone, plus padding;
 * the last ``R`` tokens are *shared*: pieces of the segments that are spread over all ranks.
   The shared segments, back to back, are cut into blocks of 128 tokens (the kernels' tile) and
-  the blocks dealt to the ranks by causal work, heaviest with lightest (balanced_blocks), so the
+  the blocks dealt to the ranks by causal work, heaviest first to the least loaded rank, so the
   shared work is even over the ranks and every piece edge falls on a tile edge. (A region that
-  is not a multiple of 128 tokens, or shorter than 8 blocks, takes ``2 * cp`` zigzag pieces of
-  each segment instead.)
+  is not a multiple of 128 tokens takes ``2 * cp`` zigzag pieces of each segment instead.)
   With ``shared_group = g`` the ranks form consecutive groups of ``g`` and each shared segment is
   spread over the ranks of one group only: the exchange runs within groups.
 
@@ -32,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import operator
 
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .document_zigzag import balanced_blocks_order, zigzag_docs_ranks
+from .document_zigzag import document_layout, zigzag_docs_ranks
 
 # Cost of a segment of L tokens: TOKEN_COST * L + PAIR_COST * L**2 (relative units; only the
 # ratio matters). Fitted to jaxcp's own causal forward+backward times on rows of equal documents
@@ -49,12 +49,14 @@ DEFAULT_TOKEN_COST = 291.0
 DEFAULT_PAIR_COST = 0.5
 # A placement is balanced when its costliest rank is at most this far above the mean.
 DEFAULT_TOLERANCE = 0.02
-# Shared tokens are dealt to ranks in balanced blocks of 128 tokens (the kernels' tile; see
-# balanced_blocks_order): zigzag pieces of each segment cut the tiles at every piece edge, and a
-# tile-skipping kernel then visits 7-10% more tiles than one GPU at 4 ranks, 20-130% more at 8-16
-# (cp_balance.py's tile model), while blocks stay within 1-2% at even causal work (0.1-0.3%).
-# A shared region of fewer than MIN_STREAM_BLOCKS blocks per rank takes zigzag pieces.
-ALL_SHARED_BLOCK, MIN_STREAM_BLOCKS = 128, 8
+# Shared tokens are dealt to ranks in blocks of 128 tokens (the kernels' tile; see _blocks_perm)
+# of even causal work, so every piece edge is a tile edge. Zigzag pieces of each segment cut
+# tiles at every piece edge: on 4 H200s the 128k mean-8k row (R = 24576 of 32768) kept 0.812 of
+# ideal with them and 0.883 with blocks (benchmarks/README.md). Blocks even the causal work
+# within about 1% from 8 blocks a rank up; below, less so, yet cp_balance.py's tile model still
+# has the busiest rank visit fewer tiles than with zigzag pieces (cp 8-64, S 32k-128k). Zigzag
+# pieces only where R is not a multiple of the block.
+ALL_SHARED_BLOCK = 128
 # choose_placement's default sizes: these fractions of S / cp (the last is the full exchange).
 DEFAULT_SHARED_FRACTIONS = (0.0, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
 
@@ -69,8 +71,7 @@ class DocumentPlacement:
   Attributes:
     shared_tokens: R, the tokens per rank (and per row) in the shared region, the last R of
       each rank's ``S / cp``. Static: each value compiles its own program. 0 means no exchange
-      at all; ``S / cp`` means every segment is shared (the exchange of all_gather, and up to
-      4 ranks its layout: balanced blocks of 128 tokens where S is a multiple of cp * 128).
+      at all; ``S / cp`` means every segment is shared (the exchange of all_gather).
     token_cost, pair_cost: the balancing cost of a segment of L tokens,
       ``token_cost * L + pair_cost * L**2``.
     tolerance: how far above the mean the costliest rank may be before more segments are
@@ -431,21 +432,37 @@ def _layout(row: np.ndarray, seg: _Segments, seg_rank: np.ndarray, cp: int, plac
 
 
 def _takes_blocks(r_tokens: int) -> bool:
-  """Whether a shared region of R tokens per rank takes balanced blocks (else zigzag pieces)."""
-  return r_tokens % ALL_SHARED_BLOCK == 0 and r_tokens // ALL_SHARED_BLOCK >= MIN_STREAM_BLOCKS
+  """Whether a shared region of R tokens per rank takes blocks (else zigzag pieces)."""
+  return r_tokens > 0 and r_tokens % ALL_SHARED_BLOCK == 0
 
 
 def _blocks_perm(x: np.ndarray, ranks: int) -> np.ndarray:
-  """The balanced_blocks permutation of the tokens x (blocks of ALL_SHARED_BLOCK over `ranks`)."""
-  order = balanced_blocks_order(x[None], ranks, ALL_SHARED_BLOCK, np)[0]
+  """Permutation of the tokens x (a multiple of ranks * ALL_SHARED_BLOCK) that deals their blocks
+  of ALL_SHARED_BLOCK tokens to `ranks` ranks, the same number each, evening causal work: heaviest
+  block first to the least loaded rank with room (longest processing time first; within 1% of
+  even at 8 blocks a rank on packed rows, where dealing in snake order lands up to 18% off).
+  Rank r's blocks, in their original order, fill [r * n / ranks, (r + 1) * n / ranks)."""
+  idx, real, doc_start = document_layout(x[None], np)
+  work = np.where(real, idx - doc_start + 1, 0)[0].reshape(-1, ALL_SHARED_BLOCK).sum(-1)
+  per_rank = work.size // ranks
+  rank = np.empty(work.size, np.int64)
+  heap = [(0, r) for r in range(ranks)]   # (load, rank) of the ranks with room
+  count = [0] * ranks
+  for b in np.argsort(-work, kind="stable"):
+    load, r = heapq.heappop(heap)
+    rank[b] = r
+    count[r] += 1
+    if count[r] < per_rank:
+      heapq.heappush(heap, (load + int(work[b]), r))
+  order = np.argsort(rank, kind="stable")
   return (order[:, None] * ALL_SHARED_BLOCK + np.arange(ALL_SHARED_BLOCK)).reshape(x.size)
 
 
 def _stream_places(stream: np.ndarray, group: int, r_tokens: int, shard: int, capacity: int) -> np.ndarray:
   """Where each token of a shared stream (group * R tokens, in row order, padding at the end)
   goes, counted from the start of its group's first shard: the shared region (the last R tokens)
-  of one of the group's ranks: balanced blocks of 128 tokens (zigzag pieces when R is not a
-  multiple of 128 or holds fewer than MIN_STREAM_BLOCKS blocks; see ALL_SHARED_BLOCK)."""
+  of one of the group's ranks: blocks of 128 tokens (_blocks_perm; zigzag pieces when R is not a
+  multiple of 128; see ALL_SHARED_BLOCK)."""
   n = stream.size
   if _takes_blocks(r_tokens):
     perm = _blocks_perm(stream, group)
