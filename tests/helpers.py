@@ -170,3 +170,20 @@ def self_attention_rows_close(got, want, seg, pos, mask: dict, q_heads: int, kv_
   for name, g, r, dead in zip(["out", "dq", "dk", "dv"], got, want, [q_dead, q_dead, kv_dead, kv_dead]):
     rows_close(g, r, tol, name, floor=1.0, zero_rows=dead)
 
+
+
+def placement_gathers(hlo_text: str):
+  """The all-gathers of a compiled placed program, as shape lists: (the shared regions' packed K, V
+  and key tokens, [B, g * R, 2 * Hkv * D + 2]; the blocks' first key tokens that the backward
+  gathers to put the sorted keys' dK/dV back in rank order, [B, g * R / block, 2])."""
+  import re
+  shapes = [[int(x) for x in m.split(",")] for line in hlo_text.splitlines() if re.search(r" all-gather\(", line)
+            for m in re.findall(r"= [fsu]32\[([\d,]+)\]", line)[:1]]
+  return [s for s in shapes if s[-1] != 2], [s for s in shapes if s[-1] == 2]
+
+
+def sorts_keys(r: int, shard: int, hq: int, hkv: int) -> bool:
+  """Whether a placed call sorts its gathered shared keys: it has a shared region, and a local
+  part or more than OWN_KEYS_FIRST_MAX_GROUP query heads a key head (context_parallel)."""
+  from jaxcp._src.attention.context_parallel import OWN_KEYS_FIRST_MAX_GROUP
+  return r > 0 and (r < shard or hq > OWN_KEYS_FIRST_MAX_GROUP * hkv)

@@ -14,11 +14,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcp
+from jaxcp._src.attention.context_parallel import _sort_block
 from jaxcp._src.attention.placement import place_rows, placement_violations, shared_sizes
 from jaxcp._src.compat import shard_map
 from jaxcp._src.masks import positions_from_segments
 
-from .helpers import positions_in_documents, rel_err, self_attention_rows_close
+from .helpers import placement_gathers, sorts_keys, positions_in_documents, rel_err, self_attention_rows_close
 from .strategies import packed_row
 
 B, S, HQ, HKV, D = 2, 64, 4, 2, 8
@@ -202,11 +203,14 @@ def test_jit_placement_matches_unsharded(cpu_devices, mesh_shape, mask_name):
   # Only the shared region is gathered (the gathered sequence is cp * R, never all of S) and only
   # K, V and the key tokens' arrays, packed into one [B, cp * R, 2 * local Hkv * D + 2] array, once:
   # the forward keeps it for the backward (choose_placement's placements know their ranks). Q never.
-  gathered = [[int(x) for x in shape.split(",")]
-              for shape in re.findall(r"= [fsu]32\[([\d,]+)\]\{[^}]*\} all-gather\(", text)]
+  # The backward also gathers the shared blocks' first key tokens (8 bytes a block of
+  # _sort_block(R) tokens) to put the sorted keys' dK/dV back in rank order.
+  gathered, firsts = placement_gathers(text)
   assert ("all-gather" in text) == (r > 0) and "collective-permute" not in text
   assert len(gathered) == (1 if r else 0)
   assert all(dims == [B // dp, cp * r, 2 * (HKV // tp) * D + 2] for dims in gathered)
+  assert len(firsts) == (1 if sorts_keys(r, S // cp, HQ, HKV) else 0)
+  assert all(dims == [B // dp, cp * r // _sort_block(r), 2] for dims in firsts)
   # The backward sums only the shared keys' dK/dV: blocks of R tokens ([B, 1 or cp, R, Hkv, D])
   # sent to their rank by an all-to-all, never a reduce-scatter of the whole shard.
   assert "reduce-scatter" not in text
@@ -242,7 +246,8 @@ def test_placement_without_its_ranks_gathers_again(cpu_devices):
   s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
   args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
   f = jax.jit(_fwd_bwd(placement, MASKS["causal"]))
-  assert len(re.findall(r"all-gather\(", f.lower(*args).compile().as_text())) == 2
+  gathered, firsts = placement_gathers(f.lower(*args).compile().as_text())
+  assert len(gathered) == 2 and not firsts  # the order of the sorted keys from the gathered ones
   _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 
 
@@ -369,9 +374,12 @@ def test_shard_map_placement(cpu_devices, shared, keep, hq):
   count = lambda op: len(re.findall(rf"stablehlo\.{op}\b", lowered.as_text()))
   has_shared = shared > 0
   overlapped = has_shared and (shared < S // 4 or hq <= 2 * HKV)
-  assert count("all_gather") == ((1 if keep else 2) if has_shared else 0)
+  # With kept K/V sorted by document, the backward gathers the blocks' first key tokens (to put
+  # dK/dV back in rank order) under its shared kernel, between two more barriers.
+  kept_sorted = keep and sorts_keys(shared, S // 4, hq, HKV)
+  assert count("all_gather") == ((1 + kept_sorted if keep else 2) if has_shared else 0)
   assert count("all_to_all") == (1 if has_shared else 0)
-  assert count("optimization_barrier") == (4 if overlapped else 0)
+  assert count("optimization_barrier") == (4 if overlapped else 0) + 2 * kept_sorted
   _check(f(*arrays), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 
 

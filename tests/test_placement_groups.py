@@ -14,11 +14,12 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxcp
+from jaxcp._src.attention.context_parallel import _sort_block
 from jaxcp._src.attention.placement import place_rows, placement_violations
 from jaxcp._src.compat import shard_map
 from jaxcp._src.masks import positions_from_segments
 
-from .helpers import rel_err
+from .helpers import placement_gathers, sorts_keys, rel_err
 from .strategies import packed_row
 
 B, S, HQ, HKV, D = 2, 64, 4, 2, 8
@@ -144,8 +145,9 @@ def test_jit_grouped_placement_matches_unsharded(cpu_devices, mesh_shape, groups
   # The group's shared regions only (g * R tokens, packed K, V and the key tokens' arrays), once:
   # the forward keeps its group's for the backward; in groups of g ranks; Q never.
   lines = [line for line in text.splitlines() if re.search(r" all-gather\(", line)]
-  gathered = [[int(x) for x in re.search(r"= [fsu]32\[([\d,]+)\]", line).group(1).split(",")] for line in lines]
+  gathered, firsts = placement_gathers(text)
   assert len(gathered) == 1 and gathered[0] == [B // dp, g * r, 2 * HKV * D + 2], gathered
+  assert firsts == ([[B // dp, g * r // _sort_block(r), 2]] if sorts_keys(r, S // cp, HQ, HKV) else []), firsts
   assert all(re.search(r"replica_groups=\{(\{[\d,]+\},?)+\}", line) for line in lines)
   assert all(len(grp.split(",")) == g for line in lines
              for grp in re.findall(r"\{([\d,]+)\}", re.search(r"replica_groups=\{(.*?)\}\}", line).group(1) + "}"))
@@ -164,7 +166,8 @@ def test_shard_map_grouped_placement(cpu_devices):
   body = _fwd_bwd(placement, MASKS["causal"], axis="cp")
   f = jax.jit(shard_map(body, mesh=mesh, in_specs=(s4, s4, s4, s4, s2, s2), out_specs=(s4, s4, s4, s4)))
   stable = f.lower(*arrays).as_text()
-  assert len(re.findall(r"stablehlo\.all_gather\b", stable)) == 1  # kept for the backward
+  # kept for the backward, which gathers only the shared blocks' first key tokens (rank order)
+  assert len(re.findall(r"stablehlo\.all_gather\b", stable)) == 2
   assert len(re.findall(r"stablehlo\.all_to_all\b", stable)) == 1
   _check(f(*arrays), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 

@@ -1,0 +1,95 @@
+"""One rank's shared-region call of a placed row on one GPU: its shared queries against the
+gathered shared keys, with the keys in rank order (as the all-gather leaves them) and sorted by
+(segment, position) in 128-token blocks (as jaxcp runs them), forward and forward+backward;
+beside them the whole row on one GPU and the rank's local part. bench_cp.py's problem and
+placement (the committed calibration).
+
+  python3 tools/probe_key_order.py [--heads 16 16] [--mix doc8k] [--seq 131072] [--gpus 4] [--groups 2]
+"""
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import common  # noqa: E402
+import doc_mixes  # noqa: E402
+
+import jaxcp  # noqa: E402
+
+D = 128
+CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "results",
+                           "placement_calibration_h200.json")
+
+
+def timed(qs, qp, ks, kp, heads, label):
+  """Forward and forward+backward times of jaxcp.attention (causal) on these token arrays."""
+  hq, hkv = heads
+  key = jax.random.PRNGKey(0)
+  q, do = (jax.random.normal(jax.random.fold_in(key, i), (1, len(qs), hq, D), jnp.bfloat16) for i in (0, 1))
+  k, v = (jax.random.normal(jax.random.fold_in(key, i), (1, len(ks), hkv, D), jnp.bfloat16) for i in (2, 3))
+  tokens = [jnp.asarray(x[None].astype(np.int32)) for x in (qs, qp, ks, kp)]
+
+  def attend(q, k, v, seg, pos, kv_seg, kv_pos):
+    return jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, kv_segment_ids=kv_seg, kv_positions=kv_pos,
+                           is_causal=True)
+
+  def loss(q, k, v, *t):
+    return jnp.sum(attend(q, k, v, *t).astype(jnp.float32) * do.astype(jnp.float32))
+
+  t = common.time_interleaved({"fwd": (jax.jit(attend), (q, k, v, *tokens)),
+                               "fwd+bwd": (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v, *tokens))})
+  print(f"{label:40s} queries {len(qs):6d} keys {len(ks):6d}: forward {t['fwd'] * 1e3:7.3f} ms, "
+        f"forward+backward {t['fwd+bwd'] * 1e3:7.3f} ms", flush=True)
+  return t
+
+
+def sorted_blocks(seg, pos, block=128):
+  """The key tokens with their blocks in (segment, position) order of each block's first token."""
+  n = len(seg) // block
+  order = np.lexsort((pos.reshape(n, block)[:, 0], seg.reshape(n, block)[:, 0]))
+  idx = (order[:, None] * block + np.arange(block)).reshape(-1)
+  return seg[idx], pos[idx]
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--heads", type=int, nargs=2, default=[16, 16])
+  ap.add_argument("--mix", default="doc8k", choices=list(doc_mixes.MIXES))
+  ap.add_argument("--seq", type=int, default=131072)
+  ap.add_argument("--gpus", type=int, default=4, help="the ranks the row is placed for")
+  ap.add_argument("--groups", type=int, default=0, help="let choose_placement share within groups of this size")
+  a = ap.parse_args()
+  with open(CALIBRATION) as f:
+    cal = json.load(f)
+  cost = dict(token_cost=cal["token_cost"], pair_cost=cal["pair_cost"])
+  seg = doc_mixes.packed_row(np.random.default_rng(0), a.seq, a.mix)[None]
+  seg, _ = doc_mixes.placeable(seg, a.gpus, **cost)
+  pos = doc_mixes.positions(seg)
+  n = a.gpus
+  placement, perm, _ = jaxcp.choose_placement(seg, n, **cost, groups=(a.groups, n) if a.groups else None)
+  print(placement)
+  s2, p2 = seg[0][perm[0]], pos[0][perm[0]]
+  shard = a.seq // n
+  r = placement.shared_tokens
+  c, g = shard - r, placement.group_size(n)
+  whole = timed(seg[0], pos[0], seg[0], pos[0], a.heads, "whole row, one GPU")
+  print(f"  whole / {n}: forward {whole['fwd'] / n * 1e3:.3f} ms, forward+backward {whole['fwd+bwd'] / n * 1e3:.3f} ms")
+  for rank in range(min(n, 2)):
+    lo = rank * shard
+    if c:
+      timed(s2[lo:lo + c], p2[lo:lo + c], s2[lo:lo + c], p2[lo:lo + c], a.heads, f"rank {rank} local")
+    if r:
+      first = rank // g * g
+      keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(first, first + g)])
+      qs, qp = s2[lo + c:lo + shard], p2[lo + c:lo + shard]
+      timed(qs, qp, s2[keys], p2[keys], a.heads, f"rank {rank} shared, keys in rank order")
+      timed(qs, qp, *sorted_blocks(s2[keys], p2[keys]), a.heads, f"rank {rank} shared, keys sorted by block")
+
+
+if __name__ == "__main__":
+  main()
