@@ -51,6 +51,7 @@ import doc_mixes  # noqa: E402
 
 import jaxcp  # noqa: E402
 from jaxcp._src.attention.context_parallel import keeps_gathered as jaxcp_keeps_gathered  # noqa: E402
+from jaxcp._src.attention.context_parallel import OWN_KEYS_FIRST_MAX_GROUP, _sort_block as sort_block  # noqa: E402
 
 D = 128
 STRATEGIES = {"placement": "placement", "all_gather": "balanced_blocks", "ring": "striped"}
@@ -118,12 +119,23 @@ def bytes_per_rank(strategy, n, s, hkv, shared=0, gathers=2, group=None):
   return (n - 1) * (s // n) * (2 * kv_token + grad_token)
 
 
+def in_document_order(keys, seg, pos, block):
+  """Gathered key indices as jaxcp orders them for its kernels: blocks of `block` tokens sorted by
+  the (segment, position) of their first token (context_parallel._sort_keys)."""
+  blocks = keys.reshape(-1, block)
+  return blocks[np.lexsort((pos[blocks[:, 0]], seg[blocks[:, 0]]))].reshape(-1)
+
+
 def rank_compute_times(strategy, arrays, n, shared, reps, group=None):
   """Each rank's own kernels timed alone on one GPU (what it computes, no communication), in
-  seconds; group: the ranks whose shared keys a placement's shared queries see (default all n)."""
+  seconds, with the gathered keys in the order jaxcp gives them (in_document_order; rank order
+  where an all-shared shard of at most 2 query heads a key head splits them by rank); group: the
+  ranks whose shared keys a placement's shared queries see (default all n)."""
   dev = jax.devices()[0]
   q, k, v, do, seg, pos = arrays
   shard = q.shape[1] // n
+  row_seg, row_pos = np.asarray(seg[0]), np.asarray(pos[0])
+  order = lambda keys, r: in_document_order(keys, row_seg, row_pos, sort_block(r))
   times = []
   for r in range(n):
     mine = slice(r * shard, (r + 1) * shard)
@@ -136,7 +148,10 @@ def rank_compute_times(strategy, arrays, n, shared, reps, group=None):
       if shared:
         g = group or n
         keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(r // g * g, r // g * g + g)])
-        parts.append((slice(r * shard + c, (r + 1) * shard), keys))
+        by_rank = not c and q.shape[2] <= OWN_KEYS_FIRST_MAX_GROUP * k.shape[2]
+        parts.append((slice(r * shard + c, (r + 1) * shard), keys if by_rank else order(keys, shared)))
+    elif strategy == "all_gather":
+      parts = [(mine, order(np.arange(q.shape[1]), shard))]
     else:
       parts = [(mine, slice(None))]
     total = 0.0
