@@ -1,6 +1,8 @@
 """Shared test utilities: random packed batches and error metrics."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import jax.numpy as jnp
 
@@ -176,7 +178,6 @@ def placement_gathers(hlo_text: str):
   """The all-gathers of a compiled placed program, as shape lists: (the shared regions' packed K, V
   and key tokens, [B, g * R, 2 * Hkv * D + 2]; the blocks' first key tokens that the backward
   gathers to put the sorted keys' dK/dV back in rank order, [B, g * R / block, 2])."""
-  import re
   shapes = [[int(x) for x in m.split(",")] for line in hlo_text.splitlines() if re.search(r" all-gather\(", line)
             for m in re.findall(r"= [fsu]32\[([\d,]+)\]", line)[:1]]
   return [s for s in shapes if s[-1] != 2], [s for s in shapes if s[-1] == 2]

@@ -17,6 +17,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import common  # noqa: E402
+from bench_cp import in_document_order, sort_block  # noqa: E402
 import doc_mixes  # noqa: E402
 
 import jaxcp  # noqa: E402
@@ -46,14 +47,6 @@ def timed(qs, qp, ks, kp, heads, label):
   print(f"{label:40s} queries {len(qs):6d} keys {len(ks):6d}: forward {t['fwd'] * 1e3:7.3f} ms, "
         f"forward+backward {t['fwd+bwd'] * 1e3:7.3f} ms", flush=True)
   return t
-
-
-def sorted_blocks(seg, pos, block=128):
-  """The key tokens with their blocks in (segment, position) order of each block's first token."""
-  n = len(seg) // block
-  order = np.lexsort((pos.reshape(n, block)[:, 0], seg.reshape(n, block)[:, 0]))
-  idx = (order[:, None] * block + np.arange(block)).reshape(-1)
-  return seg[idx], pos[idx]
 
 
 def main():
@@ -88,7 +81,8 @@ def main():
       keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(first, first + g)])
       qs, qp = s2[lo + c:lo + shard], p2[lo + c:lo + shard]
       timed(qs, qp, s2[keys], p2[keys], a.heads, f"rank {rank} shared, keys in rank order")
-      timed(qs, qp, *sorted_blocks(s2[keys], p2[keys]), a.heads, f"rank {rank} shared, keys sorted by block")
+      by_doc = in_document_order(keys, s2, p2, sort_block(r))
+      timed(qs, qp, s2[by_doc], p2[by_doc], a.heads, f"rank {rank} shared, keys sorted by block")
 
 
 if __name__ == "__main__":

@@ -107,13 +107,18 @@ def _take_blocks(x, order, block: int):
   return jnp.take_along_axis(blocks, idx, axis=1).reshape(x.shape)
 
 
+def _in_rank_order(xs, order, block: int):
+  """Arrays of blocks sorted by `order` (_block_order) back in the order they were gathered."""
+  back = jnp.argsort(order, axis=-1)
+  return tuple(_take_blocks(x, back, block) for x in xs)
+
+
 def _sort_keys(gathered, r: int):
   """(the gathered (K, V, segment ids, positions) with their blocks in (segment, position) order,
   the function that puts arrays of the same blocks back in rank order)."""
   block = _sort_block(r)
   order = _block_order(gathered[2], gathered[3], block)
-  back = lambda xs: tuple(_take_blocks(x, jnp.argsort(order, axis=-1), block) for x in xs)
-  return tuple(_take_blocks(x, order, block) for x in gathered), back
+  return tuple(_take_blocks(x, order, block) for x in gathered), lambda xs: _in_rank_order(xs, order, block)
 
 
 def _sorted_keys(gathered, r: int):
@@ -129,8 +134,7 @@ def _run_on_kept(axis, groups, c: int, r: int, kv_seg, kv_pos, run, args):
   block = _sort_block(r)
   moved, unpack = _pack((kv_seg[:, c::block], kv_pos[:, c::block]))
   (dq, *dkv), arrived = _overlapped(lambda m: _all_gather(axis, m, groups), moved, run, args)
-  back = jnp.argsort(_block_order(*unpack(arrived), 1), axis=-1)
-  return (dq, *(_take_blocks(g, back, block) for g in dkv))
+  return (dq, *_in_rank_order(dkv, _block_order(*unpack(arrived), 1), block))
 
 
 # ---------------------------------------------------------------- all-gather
