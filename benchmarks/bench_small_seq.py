@@ -53,6 +53,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import json
 import math
 import os
 import statistics
@@ -413,6 +414,10 @@ SWEEP_VARIANTS = ("auto", "mma", "lanes", "cuda_core")  # kernel_options.SmallSe
 # of microseconds is timed on the GPU, not in Python's dispatch), the fastest of the batches
 # (other processes of a multi-GPU sweep compile on the same host and can stall one).
 SWEEP_MIN_BATCH_S = 10e-3
+# A call whose inputs are under SWEEP_PROGRAM_BYTES / 2 is timed as up to SWEEP_MAX_COPIES calls in
+# one program (see _time).
+SWEEP_PROGRAM_BYTES = 1 << 30
+SWEEP_MAX_COPIES = 16
 GB = 1e9
 
 
@@ -491,10 +496,24 @@ def sweep_points(args, itemsize: int):
           for b in batches:
             p = SweepPoint(skv, hq, hkv, d, layout, b)
             (dropped if sweep_buffer_bytes(p, itemsize) > args.max_gb * GB else kept).append(p)
+  if args.redo:
+    redo = _needs_redo(args.redo)
+    kept = [p for p in kept if redo(p.name)]
   part = _part(args.part)
   if part is not None:
     kept = [p for k, p in enumerate(kept) if k % part[1] == part[0]]
   return kept, dropped
+
+
+def _needs_redo(paths: str):
+  """name -> whether the sweep results in `paths` (comma-separated JSON files) leave that point
+  below the targets (plot_small_seq.misses_targets) or do not hold it."""
+  import plot_small_seq
+
+  results = [r for path in paths.split(",") for r in json.load(open(path))["results"]]
+  held = {r["name"] for r in results}
+  missed = {r["name"] for r in results if plot_small_seq.misses_targets(r)}
+  return lambda name: name in missed or name not in held
 
 
 def _jaxcp_padded(q, k, v, lengths):
@@ -534,9 +553,28 @@ _to_padded = jax.jit(to_padded, static_argnums=2)
 _max_abs_diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
+def _copies(args) -> int:
+  """How many calls one timed program runs: as many as fit SWEEP_PROGRAM_BYTES of inputs, at most
+  SWEEP_MAX_COPIES (1 from half of SWEEP_PROGRAM_BYTES: reading that takes an H200 over 100 us,
+  more than Python's dispatch of a program)."""
+  nbytes = sum(a.nbytes for a in args if hasattr(a, "nbytes"))
+  return max(1, min(SWEEP_MAX_COPIES, SWEEP_PROGRAM_BYTES // max(nbytes, 1)))
+
+
 def _time(fn, *args, reps: int) -> float:
-  """bench() with the sweep's short batches and one warm-up call (the compiling call)."""
-  return bench(fn, *args, reps=reps, min_batch_s=SWEEP_MIN_BATCH_S, warmup=2, stat=min)
+  """Seconds per call of fn: bench() with the sweep's short batches, one warm-up call (the
+  compiling call). A small call runs as `_copies` calls in one program, each on its own copies of
+  the float arrays (no common subexpressions, no reuse of a cached input), and the time is the
+  program's over the copies: a call of a few microseconds is then timed on the GPU, as inside a
+  model's step, rather than in Python's dispatch of a program per call (tens of microseconds)."""
+  copies = _copies(args)
+  if copies == 1:
+    return bench(fn, *args, reps=reps, min_batch_s=SWEEP_MIN_BATCH_S, warmup=2, stat=min)
+  fresh = lambda a: jnp.array(a, copy=True) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  calls = [tuple(fresh(a) for a in args) for _ in range(copies)]
+  program = jax.jit(lambda calls: [fn(*c) for c in calls])
+  t = bench(program, calls, reps=reps, min_batch_s=SWEEP_MIN_BATCH_S, warmup=2, stat=min)
+  return t / copies
 
 
 def kernel_options(variant: str):
@@ -686,9 +724,11 @@ def run_sweep(args, dtype):
   variants = [x.strip() for x in args.variants.split(",") if x.strip()]
   if variants == ["all"]:
     variants = list(SWEEP_VARIANTS)
+  if variants == ["none"]:
+    variants = []
   if bad := [x for x in variants if x not in SWEEP_VARIANTS]:
     raise ValueError(f"--variants: want names of {SWEEP_VARIANTS} (or 'all'), got {bad}")
-  if jax.default_backend() != "gpu" and variants != ["auto"]:
+  if jax.default_backend() != "gpu" and variants not in ([], ["auto"]):
     print(f"kernel options are CUDA-only: on the {jax.default_backend()} backend only 'auto' runs")
     variants = ["auto"]
   points, dropped = sweep_points(args, dtype.itemsize)
@@ -696,8 +736,9 @@ def run_sweep(args, dtype):
   name = common.result_name("small_seq_sweep") + (f"_part{part[0]}" if part else "")
   meta = dict(common.run_metadata(), dtype=dtype.name, reps=reps, variants=variants,
               max_gb=args.max_gb, part=args.part, min_batch_s=SWEEP_MIN_BATCH_S,
+              program_bytes=SWEEP_PROGRAM_BYTES, max_copies=SWEEP_MAX_COPIES,
               filters=dict(skv=args.skv, heads=args.heads, dims=args.dims, layouts=args.layouts,
-                           batches=args.batches),
+                           batches=args.batches, redo=args.redo),
               dropped_over_max_gb=[p.name for p in dropped])
   shape = lambda p: (p.skv, p.q_heads, p.kv_heads, p.head_dim, p.layout)
   everything_dropped = {shape(p) for p in dropped} - {shape(p) for p in sweep_points(
@@ -748,7 +789,10 @@ def main(argv=None):
                      "probabilities, XLA's padded K/V) exceed this many GB (default 6)")
   sweep.add_argument("--variants", default="auto",
                      help="kernel families timed alone, of " + ",".join(SWEEP_VARIANTS) +
-                     " or 'all' (default auto; CUDA only)")
+                     ", 'all' or 'none' (default auto; CUDA only)")
+  sweep.add_argument("--redo", default=None,
+                     help="sweep results JSON (comma-separated files): run only the grid points "
+                     "they show below the targets or do not hold")
   sweep.add_argument("--part", default=None,
                      help="i/n: run point k of the grid when k %% n == i (one process per GPU)")
   args = parser.parse_args(argv)

@@ -83,6 +83,15 @@ def _lowest(rows, field):
   return min(rows, key=lambda r: r[field]) if rows else None
 
 
+def misses_targets(r) -> bool:
+  """Whether a point failed, has no XLA time, or is below the targets: 1.0x XLA forward or
+  forward+backward, 1.5x forward+backward when it moves more than BIG_BYTES."""
+  if "error" in r or r.get("fwdbwd_speedup_vs_xla") is None:
+    return True
+  return (r["fwd_speedup_vs_xla"] < 1.0 or r["fwdbwd_speedup_vs_xla"] < 1.0
+          or (r["fwdbwd_bytes"] > BIG_BYTES and r["fwdbwd_speedup_vs_xla"] < 1.5))
+
+
 def summary(results) -> str:
   ok = _ok(results)
   with_xla = [r for r in ok if r.get("fwdbwd_speedup_vs_xla") is not None]

@@ -6,6 +6,7 @@ under the `gpu` marker against the pure-JAX reference.
 from __future__ import annotations
 
 import functools
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -627,28 +628,62 @@ def _small_seq_custom_calls(fn, *args) -> list:
   return [line for line in hlo.splitlines() if "jaxcp_small_seq_" in line and "custom_call" in line]
 
 
-@pytest.mark.parametrize("hq,hkv,dtype", [(8, 8, jnp.bfloat16), (4, 2, jnp.float32), (8, 2, jnp.float16)])
-def test_one_key_path_matches_the_reference(hq, hkv, dtype):
-  """The one-key path (implementation=None on a GPU for padded rows of one key): the reference's
-  output and gradients (dQ = dK = 0, dV = dO over the group) for lengths in and out of [0, 1] and
-  keys the mask forbids."""
+def _one_key_case(rng, layout, b, hq, hkv, d, dtype):
+  """q, k, v and the index of rows of one key: padded lengths in and out of [0, 1], or ragged rows
+  of 0-2 tokens (the second one not attended) with a tail of tokens no row owns; random mask
+  bits in both."""
+  q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+  mask = jnp.asarray(rng.integers(0, 4, b), jnp.int32)
+  if layout == "padded":
+    k, v = (jnp.asarray(rng.standard_normal((b, 1, hkv, d)), dtype) for _ in range(2))
+    return q, k, v, (jnp.asarray(rng.integers(-2, 4, b), jnp.int32), mask)
+  cu = np.concatenate([[0], np.cumsum(rng.integers(0, 3, b))]).astype(np.int32)
+  t = int(cu[-1]) + 3
+  k, v = (jnp.asarray(rng.standard_normal((t, hkv, d)), dtype) for _ in range(2))
+  return q, k, v, (*ragged_rows(jnp.asarray(cu), t), mask)
+
+
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+@pytest.mark.parametrize("hq,hkv,dtype", [(8, 8, jnp.bfloat16), (4, 2, jnp.float32), (8, 2, jnp.float16),
+                                          (4, 1, jnp.bfloat16)])
+def test_one_key_path_matches_the_reference(layout, hq, hkv, dtype):
+  """The one-key path (implementation=None on a GPU for rows of one key): the reference's output
+  and gradients (dQ = dK = 0, dV = dO over the group) for lengths in and out of range and keys
+  the mask forbids; ragged rows also under jit and vmap."""
   rng = np.random.default_rng(11)
   b, d = 64, 32
-  q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
-  k, v = (jnp.asarray(rng.standard_normal((b, 1, hkv, d)), dtype) for _ in range(2))
+  q, k, v, index = _one_key_case(rng, layout, b, hq, hkv, d, dtype)
   dout = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
-  index = (jnp.asarray(rng.integers(-2, 4, b), jnp.int32), jnp.asarray(rng.integers(0, 4, b), jnp.int32))
-  config = SmallSeqConfig(d ** -0.5, 1, False)
+  config = SmallSeqConfig(d ** -0.5, 1, layout == "ragged")
   runs = [jax.vjp(lambda q, k, v, f=f: f(q, k, v, index, config), q, k, v)
           for f in (one_key_attention, lambda *a: small_seq_reference(*a)[0])]
   (got, got_vjp), (want, want_vjp) = runs
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  allowed = (np.asarray(index[0]) >= 1) & (np.asarray(index[1]) % 2 == 1)
-  assert 0 < allowed.sum() < b and not np.asarray(got)[~allowed].any()
+  zero_rows = ~np.asarray(want, np.float32).any(axis=(1, 2))
+  assert 0 < zero_rows.sum() < b and not np.asarray(got)[zero_rows].any()
   grads = got_vjp(dout)
   assert not np.asarray(grads[0]).any() and not np.asarray(grads[1]).any()
+  assert np.asarray(grads[2], np.float32).any()
   for g, w in zip(grads, want_vjp(dout)):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
+  if layout == "ragged":
+    batched = jax.jit(jax.vmap(jax.grad(lambda v, i: one_key_attention(q, k, v, i, config).astype(
+        jnp.float32).sum()), in_axes=(0, None)))(jnp.stack([v, 2 * v]), index)
+    single = jax.grad(lambda v: small_seq_reference(q, k, v, index, config)[0].astype(jnp.float32).sum())(v)
+    for g in batched:
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(single, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_one_key_ragged_backward_scatters_no_floats():
+  """The ragged one-key backward gathers dO through an int32 token -> row map: the program's only
+  scatter writes int32 (autodiff of the forward's gather would scatter-add dV)."""
+  rng = np.random.default_rng(3)
+  q, k, v, index = _one_key_case(rng, "ragged", 16, 4, 2, 8, jnp.bfloat16)
+  config = SmallSeqConfig(8 ** -0.5, 1, True)
+  hlo = jax.jit(jax.grad(lambda v: one_key_attention(q, k, v, index, config).astype(jnp.float32).sum())
+                ).lower(v).compile().as_text()
+  scatters = [line for line in hlo.splitlines() if re.search(r"= \S+ scatter\(", line)]
+  assert scatters and all(re.search(r"= s32\[", line) for line in scatters), scatters
 
 
 @needs_cpu_kernel
@@ -662,12 +697,12 @@ def test_cpu_default_always_runs_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("skv,hq,hkv,want", [(1, 8, 8, None), (1, 4, 2, None), (1, 8, 2, "fwd = 3"),
+@pytest.mark.parametrize("skv,hq,hkv,want", [(1, 8, 8, None), (1, 4, 2, None), (1, 8, 2, None),
                                              (4, 8, 8, "fwd = 3"), (16, 8, 8, "fwd = 1"),
                                              (4, 16, 4, "bwd = 1")])
 def test_gpu_default_dispatch_in_hlo(skv, hq, hkv, want):
-  """implementation=None: padded rows of one key with groups of 1-2 heads run the pure-JAX path
-  (no custom call; ragged rows keep the kernels: test_gpu_default_ragged_one_key_runs_kernels);
+  """implementation=None: padded rows of one key run the pure-JAX path (no custom call; ragged
+  rows too: test_gpu_default_ragged_one_key_runs_no_kernel);
   elsewhere the kernel families of dispatch.py, named in the custom call's "kernel" attribute
   (1 = mma, 3 = lanes); implementation="cuda" always runs the kernels."""
   q = jnp.zeros((64, hq, 64), jnp.bfloat16)
@@ -683,9 +718,12 @@ def test_gpu_default_dispatch_in_hlo(skv, hq, hkv, want):
 
 
 @pytest.mark.gpu
-def test_gpu_default_ragged_one_key_runs_kernels():
-  """The pure-JAX path's gather has a scatter-add backward: ragged rows of one key stay on the kernels."""
+def test_gpu_default_ragged_one_key_runs_no_kernel():
+  """implementation=None on ragged rows of one key runs the one-key path (no custom call);
+  implementation="cuda" keeps the kernels."""
   q, k = jnp.zeros((64, 8, 64), jnp.bfloat16), jnp.zeros((64, 8, 64), jnp.bfloat16)
   cu = jnp.arange(65, dtype=jnp.int32)
-  grad = jax.grad(lambda q: small_seq_attention(q, k, k, kv_cu_seqlens=cu, max_kv_len=1).astype(jnp.float32).sum())
-  assert len(_small_seq_custom_calls(grad, q)) == 2
+  grad = lambda impl: jax.grad(lambda v: small_seq_attention(
+      q, k, v, kv_cu_seqlens=cu, max_kv_len=1, implementation=impl).astype(jnp.float32).sum())
+  assert not _small_seq_custom_calls(grad(None), k)
+  assert len(_small_seq_custom_calls(grad("cuda"), k)) == 2
