@@ -42,9 +42,11 @@ each CUDA kernel family of --variants (kernel_options.SmallSeqKernelOptions; on 
 "auto") as the forward primitive alone and the backward primitive alone, and best-form device
 copies moving the bytes of jaxcp's forward and of its forward+backward. Bytes: the forward reads
 Q and the K/V tokens rows attend to (not the padding) and writes O and the float32 probabilities
-[B, Hq, max_len] (max_len = Skv padded, 16 ragged); the backward reads Q, dO, those K/V tokens and
-the probabilities and writes dQ and all of dK/dV (padding included); XLA's bytes are its padded
-layout. Writes small_seq_sweep_<kind>[_partI].json and .md after every point;
+[B, Hq, max_len] (max_len = Skv: the ragged calls pass max_kv_len=Skv); the backward reads Q, dO, those K/V tokens and
+the probabilities and writes dQ and all of dK/dV (padding included); rows of one key run the
+one-key path (small_seq/one_key.py), which reads V and writes O, then reads dO and writes dQ and
+all of dK/dV; XLA's bytes are its padded layout. Calls whose inputs are under half a GiB are timed
+as up to 16 calls in one program (_time). Writes small_seq_sweep_<kind>[_partI].json and .md after every point;
 plot_small_seq.py merges the parts, summarises and plots.
 """
 from __future__ import annotations
@@ -70,7 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
-from jaxcp._src.small_seq import api as ss  # noqa: E402
+from jaxcp._src.small_seq import api as ss, dispatch  # noqa: E402
 from jaxcp._src.small_seq.primitive import SmallSeqConfig, small_seq_bwd_p, small_seq_fwd_p  # noqa: E402
 from jaxcp._src.primitive_utils import choose_implementation  # noqa: E402
 
@@ -616,8 +618,14 @@ def run_sweep_point(p: SweepPoint, dtype, reps: int, variants) -> dict:
   kv_written = 2 * buffer_tokens * hkv * d * es  # all of dK, dV (padding included)
   p_bytes = b * hq * probs_len * 4
   kv_pad = 2 * b * skv * hkv * d * es         # XLA's padded K and V
-  fwd_bytes = q_bytes + kv_read + q_bytes + p_bytes                      # Q, K, V; O, P
-  bwd_bytes = 2 * q_bytes + kv_read + p_bytes + q_bytes + kv_written    # Q, dO, K, V, P; dQ, dK, dV
+  kernel_fwd_bytes = q_bytes + kv_read + q_bytes + p_bytes                    # Q, K, V; O, P
+  kernel_bwd_bytes = 2 * q_bytes + kv_read + p_bytes + q_bytes + kv_written  # Q, dO, K, V, P; dQ, dK, dV
+  impl = choose_implementation(None, jnp.dtype(dtype), d, ss._CUDA_HEAD_DIMS)
+  if impl == "cuda" and dispatch.prefer_one_key_path(hq // hkv, skv, ragged):
+    fwd_bytes = kv_read // 2 + q_bytes                  # V; O
+    bwd_bytes = q_bytes + q_bytes + kv_written          # dO; dQ, dK, dV
+  else:
+    fwd_bytes, bwd_bytes = kernel_fwd_bytes, kernel_bwd_bytes
   xla_fwd_bytes = q_bytes + kv_pad + q_bytes                             # Q, K, V; O
   xla_fwdbwd_bytes = xla_fwd_bytes + 2 * q_bytes + kv_pad + q_bytes + kv_pad  # + Q, K, V, dO; dQ, dK, dV
   res = dict(name=p.name, batch=b, skv=skv, q_heads=hq, kv_heads=hkv, group=hq // hkv, head_dim=d,
@@ -629,7 +637,6 @@ def run_sweep_point(p: SweepPoint, dtype, reps: int, variants) -> dict:
   index_arg = cu if ragged else lengths
 
   # ---- jaxcp (public API; implementation=None)
-  impl = choose_implementation(None, jnp.dtype(dtype), d, ss._CUDA_HEAD_DIMS)
   res["jaxcp_implementation"] = impl
   fwd, fwdbwd = _with_index(functools.partial(_jaxcp_ragged, max_kv_len=skv) if ragged else _jaxcp_padded)
   res["jaxcp_fwd_ms"] = _time(fwd, q, k, v, index_arg, reps=reps) * 1e3
@@ -651,8 +658,8 @@ def run_sweep_point(p: SweepPoint, dtype, reps: int, variants) -> dict:
         r["fwd_error"] = r["bwd_error"] = _short(e)
         res["variants"][var] = r
         continue
-      for tag, fn, fargs, nbytes in (("fwd", _kernel_fwd, (q, k, v), fwd_bytes),
-                                     ("bwd", _kernel_bwd, (q, k, v, probs, dout), bwd_bytes)):
+      for tag, fn, fargs, nbytes in (("fwd", _kernel_fwd, (q, k, v), kernel_fwd_bytes),
+                                     ("bwd", _kernel_bwd, (q, k, v, probs, dout), kernel_bwd_bytes)):
         try:
           t = _time(functools.partial(fn, config=config), *fargs, *index, reps=reps)
           r[f"{tag}_ms"], r[f"{tag}_gbps"] = t * 1e3, nbytes / t / GB

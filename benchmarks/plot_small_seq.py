@@ -238,10 +238,13 @@ def sweep_markdown(results, metas, note: str | None = None) -> str:
       "Lengths uniform in [1, Skv] per row (padded: kv_lengths; ragged: kv_cu_seqlens). Bytes: "
       "jaxcp forward = Q, the K/V tokens rows attend to, O, float32 probabilities [B, Hq, max_len] "
       "(max_len = Skv: the ragged calls pass max_kv_len=Skv); backward = Q, dO, attended K/V, probabilities, dQ, all "
-      "of dK/dV; fwd+bwd = both. XLA = its padded layout (forward Q, all K/V, O; fwd+bwd adds Q, "
+      "of dK/dV; fwd+bwd = both; rows of one key (the one-key path): forward V and O, backward "
+      "dO, dQ, all of dK/dV. XLA = its padded layout (forward Q, all K/V, O; fwd+bwd adds Q, "
       "K, V, dO read and dQ, dK, dV written). GB/s over those bytes; % copy = the jaxcp GB/s "
       "over the best of three device copies moving the same bytes, timed next to the point "
-      "(= copy time / jaxcp time). 'bwd kernel' = the backward primitive alone ('auto'). "
+      "(= copy time / jaxcp time). Calls whose inputs are under half a GiB are timed as up to 16 "
+      "calls in one program, each on its own copies of the arrays (time over the calls): the GPU "
+      "time, not Python's dispatch of a program per call. 'bwd kernel' = the backward primitive alone ('auto'). "
       "Fastest fwd / bwd: among the named families timed (auto when it ran alone); auto / "
       "fastest = auto's time over the fastest family's.\n\n")
   if note:
