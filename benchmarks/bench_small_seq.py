@@ -621,7 +621,7 @@ def run_sweep_point(p: SweepPoint, dtype, reps: int, variants) -> dict:
   kernel_fwd_bytes = q_bytes + kv_read + q_bytes + p_bytes                    # Q, K, V; O, P
   kernel_bwd_bytes = 2 * q_bytes + kv_read + p_bytes + q_bytes + kv_written  # Q, dO, K, V, P; dQ, dK, dV
   impl = choose_implementation(None, jnp.dtype(dtype), d, ss._CUDA_HEAD_DIMS)
-  if impl == "cuda" and dispatch.prefer_one_key_path(hq // hkv, skv, ragged):
+  if impl == "cuda" and dispatch.prefer_one_key_path(skv):
     fwd_bytes = kv_read // 2 + q_bytes                  # V; O
     bwd_bytes = q_bytes + q_bytes + kv_written          # dO; dQ, dK, dV
   else:

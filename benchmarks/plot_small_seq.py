@@ -229,8 +229,10 @@ def _table(header, rows) -> str:
 def sweep_markdown(results, metas, note: str | None = None) -> str:
   m = metas[0] if metas else {}
   parts = sorted({x.get("part") for x in metas if x.get("part")})
+  dates = sorted({x["date"] for x in metas if x.get("date")}) or ["?"]
+  when = dates[0] if len(dates) == 1 else f"runs from {dates[0]} to {dates[-1]}"
   title = (f"## Small-seq attention shape sweep ({m.get('device', '?')}, jax {m.get('jax', '?')}, "
-           f"{m.get('dtype', '?')}, {m.get('date', '?')})\n\n")
+           f"{m.get('dtype', '?')}, {when})\n\n")
   about = (
       f"Kernel families timed alone: {', '.join(m.get('variants', ['auto']))}; reps {m.get('reps')}; "
       f"batch sizes over {m.get('max_gb')} GB of buffers dropped"

@@ -63,10 +63,9 @@ def _check_scale(scale, head_dim) -> float:
 def _run(query, key, value, index, config, impl, auto=False):
   """The call on `impl`; auto (implementation=None) also takes the pure-JAX one-key path where it
   is the faster one on a GPU (dispatch.prefer_one_key_path)."""
-  group = query.shape[1] // key.shape[-2]
   if impl == "xla":
     return small_seq_reference(query, key, value, index, config)[0]
-  if auto and impl == "cuda" and dispatch.prefer_one_key_path(group, config.max_len, config.ragged):
+  if auto and impl == "cuda" and dispatch.prefer_one_key_path(config.max_len):
     return one_key_attention(query, key, value, index, config)
   registry.ensure_registered()
   return _kernel_call(query, key, value, tuple(index), config)
@@ -114,8 +113,8 @@ def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=Non
       registers by it: pass the real bound when rows are short.
     scale: softmax scale, default D ** -0.5.
     implementation: None (the fastest for the device and shape: the CUDA kernels on a GPU, but
-      a pure-JAX copy of V for padded rows of one key and groups of 1-2 heads, see
-      small_seq/one_key.py and small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512;
+      a pure-JAX copy of V for rows of one key, see small_seq/one_key.py and
+      small_seq/dispatch.py), "cuda" (head dims 64, 128, 256, 512;
       bf16/f16), "cpu" or "xla" (pure-JAX reference).
 
   Returns:

@@ -17,14 +17,13 @@ sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
   - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
     otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128;
   - larger groups: mma (cuda_core for backward groups over 16).
-`prefer_one_key_path`: with one key per row (padded layout) and a group of 1-2 heads the
-attention is a copy of V, and XLA's fused forward+backward (one pass over Q, K, V, dO) beat the
-two kernel passes by 10-35% in the family sweep; the generic pure-JAX program ran at 0.95-1.03x XLA in the
-final sweep (the same computation). implementation=None takes the pure-JAX one-key path there
-(one_key.py: V where the key is allowed, without reading Q or K): 1.6-1.8x XLA forward and
-1.6-3.4x forward+backward at B = 256k-1M, groups of 1-2, D 64-128 (one H200, 2026-11-27). Not
-for the ragged layout: a pure-JAX path gathers the rows' tokens, and the gather's backward (a
-scatter-add) ran at 0.23-0.26x XLA.
+`prefer_one_key_path`: rows of one key (padded or ragged, any group) take the pure-JAX one-key
+path (one_key.py: V where the key is allowed, without reading Q or K; the ragged backward gathers
+dO through a token -> row map instead of scatter-adding). Measured in the sweep of 2026-11-28 (2 x
+H200, all 104 points of one key): at B >= 262144 0.99-1.91x XLA forward and 1.25-3.03x
+forward+backward. The day before, what ran there instead: the generic pure-JAX program
+0.95-1.03x both ways (padded, groups of 1-2), the lane-group kernels 0.71-1.17x forward+backward
+(ragged, groups of 1-2), the kernels 1.15-1.43x / 1.47-2.15x (groups of 4).
 """
 from __future__ import annotations
 
@@ -66,10 +65,9 @@ def default_bwd(group: int, head_dim: int, max_len: int) -> str:
   return "mma" if group <= MMA_BWD_MAX_GROUP else "cuda_core"
 
 
-def prefer_one_key_path(group: int, max_len: int, ragged: bool) -> bool:
+def prefer_one_key_path(max_len: int) -> bool:
   """Whether implementation=None runs the pure-JAX one-key path (one_key.py) instead of the CUDA
   kernels."""
-  del group, ragged
   return max_len == 1
 
 
