@@ -20,6 +20,7 @@ from jaxcp._src import registry
 from jaxcp._src.small_seq.api import (ragged_rows, small_seq_attention, small_seq_eligible,
                                       small_seq_from_attention)
 from jaxcp._src.small_seq.primitive import SmallSeqConfig, local_fwd
+from jaxcp._src.small_seq import one_key
 from jaxcp._src.small_seq.one_key import one_key_attention
 from jaxcp._src.small_seq.reference import small_seq_reference
 from tests.helpers import rel_err
@@ -377,6 +378,55 @@ def test_sharded_padded(cpu_devices, mesh_shape, hq, hkv, with_lengths):
   got = jf(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("layout,mesh_shape", [("padded", (2, 4)), ("padded", (8, 1)), ("ragged", (1, 8))])
+def test_sharded_one_key_path(cpu_devices, layout, mesh_shape):
+  """The one-key path (pure JAX, what a GPU runs for rows of one key) sharded like the kernels:
+  batch (padded) and heads with no collective, values and gradients equal to the unsharded call."""
+  rng = np.random.default_rng(12)
+  b, hq, hkv, d = 16, 16, 8, 8
+  q, k, v, index = _one_key_case(rng, layout, b, hq, hkv, d, jnp.float32)
+  dout = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
+  config = SmallSeqConfig(d ** -0.5, 1, layout == "ragged")
+
+  def f(q, k, v, dout, index):
+    return _vjp(lambda q, k, v: one_key_attention(q, k, v, index, config), (q, k, v), dout)
+
+  want = jax.jit(f)(q, k, v, dout, index)
+  mesh = _mesh(cpu_devices, mesh_shape)
+  rows = "dp" if layout == "padded" else None
+  sq = NamedSharding(mesh, P(rows, "tp", None))
+  skv = NamedSharding(mesh, P(rows, None, "tp", None) if layout == "padded" else P(None, "tp", None))
+  args = (jax.device_put(q, sq), jax.device_put(k, skv), jax.device_put(v, skv), jax.device_put(dout, sq),
+          tuple(jax.device_put(x, NamedSharding(mesh, P(rows))) for x in index))
+  jf = jax.jit(f)
+  _check_no_collectives(jf.lower(*args).compile().as_text())
+  for g, w in zip(jax.tree.leaves(jf(*args)), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(tokens=st.integers(1, 30), cu=st.lists(st.integers(-3, 33), min_size=2, max_size=10),
+                  mask=st.lists(st.integers(-2, 3), min_size=9, max_size=9))
+def test_one_key_ragged_matches_the_reference_for_any_cu(tokens, cu, mask):
+  """Ragged rows of one key for any kv_cu_seqlens (decreasing, out of range, empty rows): the
+  allowed rows start at distinct tokens (the backward's scatter promises unique indices), and
+  output and dV equal the reference's."""
+  b = len(cu) - 1
+  start, length = ragged_rows(jnp.asarray(cu, jnp.int32), tokens)
+  index = (start, length, jnp.asarray(mask[:b], jnp.int32))
+  first, allowed = (np.asarray(x) for x in one_key._ragged_first_tokens(index, b, tokens))
+  assert len(set(first[allowed])) == allowed.sum()
+  rng = np.random.default_rng(len(cu))
+  q = jnp.asarray(rng.standard_normal((b, 4, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((tokens, 2, 8)), jnp.float32) for _ in range(2))
+  dout = jnp.asarray(rng.standard_normal((b, 4, 8)), jnp.float32)
+  config = SmallSeqConfig(8 ** -0.5, 1, True)
+  got, got_vjp = jax.vjp(lambda v: one_key_attention(q, k, v, index, config), v)
+  want, want_vjp = jax.vjp(lambda v: small_seq_reference(q, k, v, index, config)[0], v)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_allclose(np.asarray(got_vjp(dout)[0]), np.asarray(want_vjp(dout)[0]), atol=1e-6)
 
 
 @needs_cpu_kernel
