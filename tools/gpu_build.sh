@@ -20,7 +20,19 @@ else
   awk '{print $2}' "$manifest.new" | xargs touch  # no record of the last build: all of them
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${JAXCP_CUDA_ARCHS:-90a-real}" \
+# A kernel library prebuilt elsewhere (tools/prebuild_cuda_kernels.sh, carried in .kernels/) is
+# linked when it was built from exactly these sources, architectures, nvcc and CUTLASS.
+archs="${JAXCP_CUDA_ARCHS:-90a-real}"
+kernels=""
+if [ -f .kernels/libjaxcp_cuda_kernels.a ]; then
+  if bash tools/cuda_kernel_sources.sh "$archs" | cmp -s - .kernels/sources.txt; then
+    kernels="$PWD/.kernels/libjaxcp_cuda_kernels.a"
+    echo "linking the prebuilt CUDA kernels (.kernels/)"
+  else
+    echo "the prebuilt CUDA kernels in .kernels/ are stale: compiling the kernels here"
+  fi
+fi
+CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$archs -DJAXCP_CUDA_KERNELS_LIB=$kernels" \
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { tail -50 "$OUT/build.log"; rm -f "$manifest"; exit 1; }
