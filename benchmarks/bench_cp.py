@@ -51,7 +51,7 @@ import doc_mixes  # noqa: E402
 
 import jaxcp  # noqa: E402
 from jaxcp._src.attention.context_parallel import keeps_gathered as jaxcp_keeps_gathered  # noqa: E402
-from jaxcp._src.attention.context_parallel import OWN_KEYS_FIRST_MAX_GROUP, _sort_block as sort_block  # noqa: E402
+from jaxcp._src.attention.context_parallel import _own_keys_first, _sort_block as sort_block  # noqa: E402
 
 D = 128
 STRATEGIES = {"placement": "placement", "all_gather": "balanced_blocks", "ring": "striped"}
@@ -148,8 +148,8 @@ def rank_compute_times(strategy, arrays, n, shared, reps, group=None):
       if shared:
         g = group or n
         keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(r // g * g, r // g * g + g)])
-        by_rank = not c and q.shape[2] <= OWN_KEYS_FIRST_MAX_GROUP * k.shape[2]
-        parts.append((slice(r * shard + c, (r + 1) * shard), keys if by_rank else order(keys, shared)))
+        parts.append((slice(r * shard + c, (r + 1) * shard),
+                      keys if _own_keys_first(c, q, k) else order(keys, shared)))
     elif strategy == "all_gather":
       parts = [(mine, order(np.arange(q.shape[1]), shard))]
     else:
