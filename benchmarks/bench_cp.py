@@ -168,13 +168,32 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def placement_cost(calibration=None) -> dict:
-  """token_cost and pair_cost from calibrate_placement.py's JSON ({}: the built-in costs)."""
+def load_calibration(calibration=None) -> dict:
+  """calibrate_placement.py's JSON ({}: none)."""
   if not calibration:
     return {}
   with open(calibration) as f:
-    cal = json.load(f)
-  return dict(token_cost=cal["token_cost"], pair_cost=cal["pair_cost"])
+    return json.load(f)
+
+
+def placement_cost(cal: dict, heads=None) -> dict:
+  """token_cost and pair_cost of the calibration's fit for these heads (its first fit when it has
+  none for them; {}: the built-in costs)."""
+  fit = next((f for f in cal.get("fits", []) if heads is not None and tuple(f["heads"]) == tuple(heads)), cal)
+  return dict(token_cost=fit["token_cost"], pair_cost=fit["pair_cost"]) if fit else {}
+
+
+def exchange_cost(cal: dict, heads, gpus: int) -> float:
+  """jaxcp.exchange_cost of these heads at D = 128 with the calibration's rates for this GPU count
+  (half the bytes in the all-gather, half in the all-to-all) and its pair time for these heads
+  (jaxcp's defaults where it has none)."""
+  hq, hkv = heads
+  fit = next((f for f in cal.get("fits", []) if tuple(f["heads"]) == (hq, hkv)), None)
+  rates = [cal.get("exchange_bytes_per_s", {}).get(op, {}).get(str(gpus)) for op in ("all_gather", "all_to_all")]
+  kw = dict(pair_cost=fit["pair_cost"], pair_seconds=fit["pair_seconds"]) if fit else {}
+  if all(rates):
+    kw["bytes_per_second"] = 2 / sum(1 / r for r in rates)
+  return jaxcp.exchange_cost(hq, hkv, D, **kw)
 
 
 def problem(seq_len, mix, heads, max_gpus, cost, seed=0):
@@ -190,12 +209,13 @@ def problem(seq_len, mix, heads, max_gpus, cost, seed=0):
   return (q, k, v, do, jnp.asarray(seg), jnp.asarray(pos)), left_out
 
 
-def layout(strategy, seg, n, cost, tolerance=None, groups=None):
+def layout(strategy, seg, n, cost, tolerance=None, groups=None, exchange=None):
   """(jaxcp.attention's context_parallel, the permutation for jaxcp.load_balance) of a strategy
   over n GPUs: the placement chosen for the row (among `groups` of ranks for its shared region,
-  default all n), or the other strategies on STRATEGIES' layouts."""
+  default all n; by predicted time with exchange, jaxcp.exchange_cost's), or the other
+  strategies on STRATEGIES' layouts."""
   if strategy == "placement":
-    placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, **cost, groups=groups,
+    placement, perm, _ = jaxcp.choose_placement(np.asarray(seg), n, **cost, groups=groups, exchange_cost=exchange,
                                                 **({} if tolerance is None else dict(tolerance=tolerance)))
     return placement, perm
   balance = STRATEGIES[strategy]
@@ -203,10 +223,12 @@ def layout(strategy, seg, n, cost, tolerance=None, groups=None):
                     else balance)
 
 
-def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gpus, others=("all_gather", "ring"),
-             seed=0, hlo_dir=None, groups=()):
+def run_case(seq_len, mix, heads, gpu_counts, reps, cal, tolerances, exposed_gpus, others=("all_gather", "ring"),
+             seed=0, hlo_dir=None, groups=(), time_rule=True):
   hq, hkv = heads
-  (q, k, v, do, seg, pos), left_out = problem(seq_len, mix, heads, max(gpu_counts), cost, seed)
+  # The row: left out by the first fit's costs, the same row for every heads pair.
+  (q, k, v, do, seg, pos), left_out = problem(seq_len, mix, heads, max(gpu_counts), placement_cost(cal), seed)
+  cost = placement_cost(cal, heads)
   flops = 3.5 * 4 * D * hq * doc_mixes.allowed_causal_pairs(np.asarray(seg))
   base = dict(seq=seq_len, mix=mix, heads=f"{hq}/{hkv}", left_out=left_out,
               docs=int(len(np.unique(np.asarray(seg)[np.asarray(seg) != 0]))))
@@ -222,7 +244,9 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
       continue
     mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
     sh = NamedSharding(mesh, P(None, "cp"))
-    cases = [("placement", f"tolerance {t:g}", (t, None)) for t in tolerances]
+    divisors = tuple(g for g in range(2, n + 1) if n % g == 0)
+    cases = [("placement", "time model", (None, divisors, exchange_cost(cal, heads, n)))] if time_rule else []
+    cases += [("placement", f"tolerance {t:g}", (t, None)) for t in tolerances]
     cases += [("placement", f"tolerance {t:g}, groups of {g}", (t, (g, n))) for t in tolerances for g in groups
               if g < n and n % g == 0]
     cases += [(s, b, (None, None)) for s, b in STRATEGIES.items() if s != "placement" and s in others]
@@ -237,7 +261,7 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cost, tolerances, exposed_gp
       hlo = f.lower(*args).compile().as_text()
       if hlo_dir:
         os.makedirs(hlo_dir, exist_ok=True)
-        tag = strategy + (f"_groups{variant[1][0]}" if variant[1] else "")
+        tag = strategy + ("_time" if len(variant) > 2 else f"_groups{variant[1][0]}" if variant[1] else "")
         with open(os.path.join(hlo_dir, f"{seq_len // 1024}k_{mix}_{hq}-{hkv}_{n}gpus_{tag}.hlo.txt"), "w") as fh:
           fh.write(hlo)
       t = common.time_fn(f, *args, warmup=1, reps=reps)
@@ -295,8 +319,12 @@ def main(argv=None):
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--others", nargs="*", default=["all_gather", "ring"], choices=["all_gather", "ring"],
                   help="the other strategies to run beside the placement")
-  ap.add_argument("--tolerances", type=float, nargs="+", default=[0.02],
-                  help="placement balance tolerances to run (each a strategy of its own)")
+  ap.add_argument("--tolerances", type=float, nargs="*", default=[0.02],
+                  help="placement balance tolerances to run (each a strategy of its own: the smallest "
+                       "shared size within the tolerance)")
+  ap.add_argument("--no-time-rule", action="store_true",
+                  help="leave out the placement chosen by predicted time (choose_placement's exchange_cost, "
+                       "from the calibration's rates, every group size)")
   ap.add_argument("--groups", type=int, nargs="*", default=[],
                   help="also run placements whose shared region may be exchanged within groups of this many "
                        "ranks (choose_placement(groups=(g, n))), one strategy per g")
@@ -307,7 +335,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   heads = list(zip(args.heads[::2], args.heads[1::2]))
-  cost = placement_cost(args.calibration)
+  cal = load_calibration(args.calibration)
   out_dir = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
   rows = []
   name = common.result_name("cp", max(n for n in args.gpus if n <= len(jax.devices())))
@@ -321,12 +349,12 @@ def main(argv=None):
              for c in args.cases]
   exposed = args.gpus if args.exposed_gpus is None else args.exposed_gpus
   for s, mix, h in cases:
-    rows += run_case(s, mix, h, args.gpus, args.reps, cost, args.tolerances, exposed, args.others,
-                     hlo_dir=args.hlo_dir, groups=args.groups)
+    rows += run_case(s, mix, h, args.gpus, args.reps, cal, args.tolerances, exposed, args.others,
+                     hlo_dir=args.hlo_dir, groups=args.groups, time_rule=not args.no_time_rule)
   meta = common.run_metadata()
   md = (f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}; B=1, D=128, causal, forward+backward, bf16; "
-        f"placement cost {cost or 'built-in'}.\n\n" + table(rows))
-  common.write_results(name, dict(meta=meta, cost=cost, rows=rows), md, out_dir)
+        f"placement cost {placement_cost(cal) or 'built-in'} (per heads: the calibration's fits).\n\n" + table(rows))
+  common.write_results(name, dict(meta=meta, cost=placement_cost(cal), calibration=cal, rows=rows), md, out_dir)
   print(md)
 
 

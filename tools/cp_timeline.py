@@ -22,13 +22,16 @@ import gpu_timeline  # noqa: E402
 import jaxcp  # noqa: E402
 
 
-def step_fn(case, gpus, strategy, cost):
+def step_fn(case, gpus, strategy, cal, time_rule=False):
   seq_len, mix, heads = case.split(":")
   heads = tuple(int(h) for h in heads.split("/"))
-  arrays, _ = bench_cp.problem(int(seq_len), mix, heads, gpus, cost)
-  context_parallel, perm = bench_cp.layout(strategy, arrays[4], gpus, cost)
+  arrays, _ = bench_cp.problem(int(seq_len), mix, heads, gpus, bench_cp.placement_cost(cal))
+  extra = (None, tuple(g for g in range(2, gpus + 1) if gpus % g == 0), bench_cp.exchange_cost(cal, heads, gpus))
+  context_parallel, perm = bench_cp.layout(strategy, arrays[4], gpus, bench_cp.placement_cost(cal, heads),
+                                           *(extra if time_rule else ()))
   if strategy == "placement":
-    print(f"placement: R = {context_parallel.shared_tokens} of {int(seq_len) // gpus} tokens per rank")
+    print(f"placement: R = {context_parallel.shared_tokens} of {int(seq_len) // gpus} tokens per rank, "
+          f"groups of {context_parallel.shared_group or gpus}")
   sh = NamedSharding(Mesh(np.array(jax.devices()[:gpus]), ("cp",)), P(None, "cp"))
   args = [jax.device_put(jaxcp.load_balance(x, gpus, axis=1, strategy=perm), sh) for x in arrays]
   return jax.jit(bench_cp._fwd_bwd(context_parallel)), args
@@ -51,8 +54,11 @@ def main():
   ap.add_argument("--gpus", type=int, default=4)
   ap.add_argument("--strategy", default="placement", choices=list(bench_cp.STRATEGIES))
   ap.add_argument("--calibration", default=None, help="placement_calibration.json (default: built-in costs)")
+  ap.add_argument("--time-rule", action="store_true",
+                  help="the placement of least predicted time (bench_cp.py's 'time model') instead of the "
+                       "tolerance rule")
   a = ap.parse_args()
-  fn, args = step_fn(a.case, a.gpus, a.strategy, bench_cp.placement_cost(a.calibration))
+  fn, args = step_fn(a.case, a.gpus, a.strategy, bench_cp.load_calibration(a.calibration), a.time_rule)
   for _ in range(3):
     jax.block_until_ready(fn(*args))
   trace_dir = tempfile.mkdtemp()

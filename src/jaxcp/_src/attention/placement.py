@@ -59,6 +59,12 @@ DEFAULT_TOLERANCE = 0.02
 ALL_SHARED_BLOCK = 128
 # choose_placement's default sizes: these fractions of S / cp (the last is the full exchange).
 DEFAULT_SHARED_FRACTIONS = (0.0, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
+# exchange_cost's defaults, measured on H200s (benchmarks/calibrate_placement.py): seconds of one
+# allowed (query, key) pair per query head and head dimension, causal forward+backward (2 b /
+# (32 * 128) of a 32/8-head, D 128 fit), and the bytes per second a rank receives in the shared
+# region's exchange (all-gather of K/V, all-to-all of dK/dV partials) over NVLink.
+DEFAULT_PAIR_SECONDS = 2.64e-14
+DEFAULT_EXCHANGE_BYTES_PER_S = 3.3e11
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,11 +571,41 @@ def shared_sizes(seq_len: int, cp_size: int, fractions=DEFAULT_SHARED_FRACTIONS)
   return tuple(sorted(sizes))
 
 
+def exchange_cost(q_heads: int, kv_heads: int, head_dim: int, *, v_head_dim: int | None = None, itemsize: int = 2,
+                  pair_cost: float = DEFAULT_PAIR_COST, pair_seconds: float = DEFAULT_PAIR_SECONDS,
+                  bytes_per_second: float = DEFAULT_EXCHANGE_BYTES_PER_S) -> float:
+  """What a rank pays for one shared token it receives, in the placement's cost units (those of
+  ``token_cost`` and ``pair_cost``), for :func:`choose_placement`'s ``exchange_cost``.
+
+  A received token brings its K and V in the forward and sends back their dK/dV partials in the
+  backward: ``2 * kv_heads * (head_dim + v_head_dim) * itemsize`` bytes at ``bytes_per_second``.
+  A cost unit is ``1 / (2 * pair_cost)`` allowed pairs (a causal segment of L tokens has about
+  L**2 / 2), each ``pair_seconds * q_heads * head_dim`` seconds. The defaults are H200 numbers
+  (benchmarks/calibrate_placement.py measures both on other hardware). The exchange is charged
+  whole: at the sizes the placement chooses, the local part it runs under is short (measured on
+  4 H200s: the exposed time was that of all the bytes at this rate).
+  """
+  dv = head_dim if v_head_dim is None else v_head_dim
+  for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim), ("v_head_dim", dv),
+                      ("itemsize", itemsize)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"exchange_cost: {name} must be an int >= 1, got {value!r}.")
+  for name, value in (("pair_cost", pair_cost), ("pair_seconds", pair_seconds), ("bytes_per_second", bytes_per_second)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value > 0:
+      raise ValueError(f"exchange_cost: {name} must be a number > 0, got {value!r}.")
+  seconds = 2 * kv_heads * (head_dim + dv) * itemsize / bytes_per_second
+  unit_seconds = pair_seconds * q_heads * head_dim / (2 * pair_cost)
+  return float(seconds / unit_seconds)
+
+
 def choose_placement(segment_ids, cp_size: int, sizes=None, *, token_cost: float = DEFAULT_TOKEN_COST,
-                     pair_cost: float = DEFAULT_PAIR_COST, tolerance: float = DEFAULT_TOLERANCE, groups=None):
-  """The DocumentPlacement for one batch and its permutation: the smallest shared size that
-  places every row within `tolerance` of even work, else the one whose worst row is the most
-  even (the largest, S / cp, always fits). Numpy only (an input pipeline's job).
+                     pair_cost: float = DEFAULT_PAIR_COST, tolerance: float = DEFAULT_TOLERANCE, groups=None,
+                     exchange_cost: float | None = None):
+  """The DocumentPlacement for one batch and its permutation. With ``exchange_cost``: the
+  candidate of least predicted time, the costliest rank's work plus the exchange (see below).
+  Without: the smallest shared size that places every row within `tolerance` of even work, else
+  the one whose worst row is the most even (the largest, S / cp, always fits). Numpy only (an
+  input pipeline's job).
 
   Args:
     segment_ids: int array [B, S] (numpy), the batch's rows in their original order.
@@ -580,23 +616,31 @@ def choose_placement(segment_ids, cp_size: int, sizes=None, *, token_cost: float
     groups: the shared group sizes to choose from (DocumentPlacement.shared_group; each divides
       cp_size; default: cp_size alone, every shared segment over all ranks). The candidates
       (group g, size R) are tried by the tokens a rank receives, (g - 1) * R, fewest first.
+    exchange_cost: the cost of one token a rank receives (:func:`jaxcp.exchange_cost` of the
+      model's heads and head dim), or None. Given, every candidate that places every row is
+      scored by its predicted time, the sum over rows of the costliest rank's cost plus
+      exchange_cost * (g - 1) * R per row, and the least wins: a shared region pays for itself
+      only where it evens the work by more than its exchange costs (at 16 query heads per 16 key
+      heads an exchanged token costs four times what it does at 32 per 8).
 
   Returns:
     (placement, perm [B, S] int32, imbalance [B]: each row's costliest rank over the mean).
   """
   placement, perm, imbalance, _ = choose_with_eviction(
       segment_ids, cp_size, sizes, token_cost=token_cost, pair_cost=pair_cost, tolerance=tolerance, evict=False,
-      groups=groups)
+      groups=groups, exchange_cost=exchange_cost)
   return placement, perm, imbalance
 
 
 def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: float = DEFAULT_TOKEN_COST,
                          pair_cost: float = DEFAULT_PAIR_COST, tolerance: float = DEFAULT_TOLERANCE,
-                         evict: bool = True, max_evicted: float = 0.02, groups=None):
+                         evict: bool = True, max_evicted: float = 0.02, groups=None,
+                         exchange_cost: float | None = None):
   """choose_placement that may leave segments out (evict=True): a local segment that finds no
-  room in its row is marked evicted (an input pipeline packs it into a later row). A size is
-  taken when every row is within `tolerance` of even work and at most `max_evicted` of the
-  batch's tokens are left out. Returns (placement, perm, imbalance, evicted [B, S] bool)."""
+  room in its row is marked evicted (an input pipeline packs it into a later row). A candidate
+  qualifies when at most `max_evicted` of the batch's tokens are left out; without
+  exchange_cost the first one with every row within `tolerance` of even work is taken. Returns
+  (placement, perm, imbalance, evicted [B, S] bool)."""
   seg = np.asarray(segment_ids)
   cp = check_cp_size(cp_size)
   _check_segments(seg, cp)
@@ -626,10 +670,16 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
   def left_out(a, b):
     return int(segments[b].length[a[0] == EVICTED].sum())
 
+  taken = None
+  if exchange_cost is not None:
+    even = [float((token_cost * g.length + pair_cost * g.length.astype(np.float64) ** 2).sum()) / cp
+            for g in segments]
+    taken = _fastest_candidate(candidates, even, assignment, left_out, _check_exchange_cost(exchange_cost),
+                               max_evicted * real_tokens)
   # The first candidate that places every row within tolerance, leaving out at most max_evicted.
   # A candidate is dropped at its first failing row, and the row that failed last is tried first.
-  order, taken = list(range(len(segments))), None
-  for c in range(len(candidates)):
+  order = list(range(len(segments)))
+  for c in range(len(candidates) if taken is None else 0):
     out = 0
     for b in order:
       a = assignment(c, b)
@@ -663,6 +713,33 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
       perms[b], evicted[b] = _layout(row, g, a[0], cp, placement)
   imbalance = np.array([a[1] for a in assigned]).reshape(seg.shape[:-1])
   return placement, perms.reshape(seg.shape), imbalance, evicted.reshape(seg.shape)
+
+
+def _check_exchange_cost(value) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value >= 0:
+    raise ValueError(f"exchange_cost must be a number >= 0 (cost units per token a rank receives: "
+                     f"jaxcp.exchange_cost(q_heads, kv_heads, head_dim)) or None, got {value!r}.")
+  return float(value)
+
+
+def _fastest_candidate(candidates, even, assignment, left_out, exchange: float, max_left_out: float):
+  """Index of the candidate (g, R) of least predicted time among those that place every row,
+  leaving out at most max_left_out tokens (None when none does): the sum over rows of the
+  costliest rank's cost (imbalance times the row's even share, `even`) plus exchange * (g - 1) * R.
+  Candidates come fewest received tokens first, so once the exchange alone (with every row
+  perfectly even) reaches the best time, no later candidate can win."""
+  best, taken = np.inf, None
+  for c, (g, r) in enumerate(candidates):
+    exchanged = exchange * (g - 1) * r * len(even)
+    if sum(even) + exchanged >= best:
+      break
+    rows = [assignment(c, b) for b in range(len(even))]
+    if any(a is None for a in rows) or sum(left_out(a, b) for b, a in enumerate(rows)) > max_left_out:
+      continue
+    predicted = sum(a[1] * m for a, m in zip(rows, even)) + exchanged
+    if predicted < best * (1 - 1e-9):
+      best, taken = predicted, c
+  return taken
 
 
 def placement_violations(permuted_segment_ids, cp_size: int, placement: DocumentPlacement) -> list[str]:
