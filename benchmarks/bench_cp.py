@@ -245,7 +245,8 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cal, tolerances, exposed_gpu
     mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
     sh = NamedSharding(mesh, P(None, "cp"))
     divisors = tuple(g for g in range(2, n + 1) if n % g == 0)
-    cases = [("placement", "time model", (None, divisors, exchange_cost(cal, heads, n)))] if time_rule else []
+    cases = ([("placement", "time model", (None, divisors, exchange_cost(cal, heads, n)))] if time_rule and n > 1
+             else [])
     cases += [("placement", f"tolerance {t:g}", (t, None)) for t in tolerances]
     cases += [("placement", f"tolerance {t:g}, groups of {g}", (t, (g, n))) for t in tolerances for g in groups
               if g < n and n % g == 0]
