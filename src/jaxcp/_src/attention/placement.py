@@ -730,14 +730,19 @@ def _fastest_candidate(candidates, even, assignment, left_out, exchange: float, 
   perfectly even) reaches the best time, no later candidate can win."""
   best, taken = np.inf, None
   for c, (g, r) in enumerate(candidates):
-    exchanged = exchange * (g - 1) * r * len(even)
-    if sum(even) + exchanged >= best:
+    predicted = sum(even) + exchange * (g - 1) * r * len(even)  # a lower bound until every row is in
+    if predicted >= best:
       break
-    rows = [assignment(c, b) for b in range(len(even))]
-    if any(a is None for a in rows) or sum(left_out(a, b) for b, a in enumerate(rows)) > max_left_out:
-      continue
-    predicted = sum(a[1] * m for a, m in zip(rows, even)) + exchanged
-    if predicted < best * (1 - 1e-9):
+    out = 0
+    for b, m in enumerate(even):  # rows in turn; a candidate stops once it cannot win
+      a = assignment(c, b)
+      if a is None:
+        break
+      out += left_out(a, b)
+      predicted += (a[1] - 1.0) * m
+      if out > max_left_out or predicted >= best * (1 - 1e-9):
+        break
+    else:
       best, taken = predicted, c
   return taken
 
