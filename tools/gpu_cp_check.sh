@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Context-parallel benchmark on a multi-GPU host (4 GPUs; on 2, pass --gpus 2): builds jaxcp with
 # the CUDA extension, calibrates the document placement's cost model on GPU 0 and the exchange
-# rates over all GPUs (benchmarks/calibrate_placement.py), then runs benchmarks/bench_cp.py over 1, 2 and 4 GPUs with
-# that calibration. Outputs go to $OUT or ./gpu_results (the compiled schedules in cp_hlo.tgz).
+# rates over all GPUs (benchmarks/calibrate_placement.py), then runs benchmarks/bench_cp.py over
+# 1, 2 and 4 GPUs with that calibration. Outputs go to $OUT or ./gpu_results (the compiled schedules in cp_hlo.tgz).
 #   bash tools/gpu_cp_check.sh [bench_cp.py args]
 #   SKIP_CALIBRATION=1 bash tools/gpu_cp_check.sh --seq 262144 --append   (reuse $OUT's calibration)
 set -uo pipefail

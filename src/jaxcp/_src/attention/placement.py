@@ -59,12 +59,13 @@ DEFAULT_TOLERANCE = 0.02
 ALL_SHARED_BLOCK = 128
 # choose_placement's default sizes: these fractions of S / cp (the last is the full exchange).
 DEFAULT_SHARED_FRACTIONS = (0.0, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
-# exchange_cost's defaults, measured on H200s (benchmarks/calibrate_placement.py): seconds of one
-# allowed (query, key) pair per query head and head dimension, causal forward+backward (2 b /
-# (32 * 128) of a 32/8-head, D 128 fit), and the bytes per second a rank receives in the shared
-# region's exchange (all-gather of K/V, all-to-all of dK/dV partials) over NVLink.
-DEFAULT_PAIR_SECONDS = 2.64e-14
-DEFAULT_EXCHANGE_BYTES_PER_S = 3.3e11
+# exchange_cost's defaults, measured on 2 H200s (benchmarks/calibrate_placement.py): seconds of
+# one allowed (query, key) pair per query head and head dimension, causal forward+backward (2 b /
+# (32 * 128) of the 32/8-head, D 128 fit), and the bytes per second a rank receives in the shared
+# region's exchange, half in the all-gather of K/V (235 GB/s) and half in the all-to-all of
+# dK/dV partials (256 GB/s), over NVLink.
+DEFAULT_PAIR_SECONDS = 2.43e-14
+DEFAULT_EXCHANGE_BYTES_PER_S = 2.45e11
 
 
 @dataclasses.dataclass(frozen=True)
