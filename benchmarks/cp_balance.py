@@ -28,13 +28,16 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 from jaxcp._src.attention import load_balance as lb  # noqa: E402
-from jaxcp._src.attention.placement import choose_with_eviction  # noqa: E402
+from jaxcp._src.attention.placement import choose_with_eviction, exchange_cost  # noqa: E402
 
 
 STRATEGIES = ("contiguous", "striped", "zigzag", "zigzag_docs", "balanced_blocks", "placement")
 # What a DocumentPlacement exchanges: the shared region, cp * R of S tokens (all_gather: all of S).
 PLACEMENT = "placement"
 GROUPED = "placement_grouped"  # its shared region exchanged within groups of ranks (group_sizes)
+TIMED = "placement_timed"  # grouped, the candidate of least predicted time (exchange_cost below)
+# The time rule's price of a received token: 32/8 heads, D 128, jaxcp's H200 defaults.
+EXCHANGE_COST = exchange_cost(32, 8, 128)
 SEQ_LENS = (32 * 1024, 128 * 1024, 256 * 1024)
 CP_SIZES = (2, 4, 8, 16, 32, 64)
 
@@ -254,17 +257,20 @@ def group_sizes(cp: int) -> tuple[int, ...]:
   return tuple(g for g in (2 ** i for i in range(1, 7)) if g < cp) + (cp,)
 
 
-def placement_entry(seg: np.ndarray, cp: int, grouped: bool = False, tile: int | None = None) -> dict:
+def placement_entry(seg: np.ndarray, cp: int, grouped: bool = False, tile: int | None = None,
+                    exchange: float | None = None) -> dict:
   """Causal work balance, bytes and left-out share of a DocumentPlacement chosen per row (the
   data pipeline's rule: the smallest shared size that balances; what finds no room left out).
   grouped: the shared region may also be exchanged within groups of ranks (group_sizes), the
   candidate (group g, R) taken by the tokens a rank receives. Bytes: what a rank receives,
   (g - 1) * R tokens, over all_gather's, (cp - 1) * S / cp (= cp * R / S ungrouped).
-  tile: also model the tiles each rank's kernels visit (placed_tile_work)."""
+  tile: also model the tiles each rank's kernels visit (placed_tile_work). exchange: choose by
+  predicted time (choose_with_eviction's exchange_cost) instead."""
   s = seg.shape[-1]
   per_row, shared, left_out, work, groups, tiles = [], [], [], [], [], []
   for row in seg:
-    placement, perm, _, evicted = choose_with_eviction(row[None], cp, groups=group_sizes(cp) if grouped else None)
+    placement, perm, _, evicted = choose_with_eviction(row[None], cp, groups=group_sizes(cp) if grouped else None,
+                                                       exchange_cost=exchange)
     placed = np.where(evicted, 0, row[None])
     w = rank_work(placed, perm, cp)
     per_row.append(float(imbalance(w)[0]))
@@ -299,7 +305,10 @@ def placement_speed(seed: int, batch: int = 8, seq_len: int = 256 * 1024) -> lis
     for cp in (4, 8):
       t0 = time.perf_counter()
       choose_with_eviction(seg, cp)
-      out.append(dict(mix=name, cp=cp, batch=batch, seq_len=seq_len, seconds=time.perf_counter() - t0))
+      t1 = time.perf_counter()
+      choose_with_eviction(seg, cp, groups=group_sizes(cp), exchange_cost=EXCHANGE_COST)
+      out.append(dict(mix=name, cp=cp, batch=batch, seq_len=seq_len, seconds=t1 - t0,
+                      timed_seconds=time.perf_counter() - t1))
   return out
 
 
@@ -322,6 +331,7 @@ def run(rows: int, seed: int, seq_lens=SEQ_LENS, cp_sizes=CP_SIZES, mixes=None,
           if strategy == PLACEMENT:
             entry[strategy] = placement_entry(seg, cp, tile=tile if s <= tile_max_seq else None)
             entry[GROUPED] = placement_entry(seg, cp, grouped=True)
+            entry[TIMED] = placement_entry(seg, cp, grouped=True, exchange=EXCHANGE_COST)
             continue
           perm = permutation(strategy, seg, cp, tile)
           w = rank_work(seg, perm, cp)
@@ -393,6 +403,14 @@ def markdown(results, speed=()) -> str:
         "first). Cell: bytes a rank receives relative to all_gather's ((g - 1) * R against (cp - 1) * S "
         "/ cp), mean (max) over rows; tokens left out; causal work max/mean; the group sizes taken (g: rows).",
         grouped, GROUPED, "groups taken", "groups_taken")
+  timed = [e for e in placed if TIMED in e]
+  if timed:
+    lines += _placement_table(
+        "### By predicted time",
+        f"The same rows and groups, each row's (g, R) the one of least predicted time "
+        f"(`choose_placement(..., exchange_cost=jaxcp.exchange_cost(32, 8, 128))` = {EXCHANGE_COST:.0f} cost units "
+        f"a received token: 32/8 heads, D 128, H200 rates): the costliest rank's cost plus the exchange. "
+        f"Cells as above.", timed, TIMED, "groups taken", "groups_taken")
   tiled = [e for e in results if "tile_overhead" in e[STRATEGIES[0]]]
   tile_strategies = list(STRATEGIES)
   if tiled:
@@ -422,9 +440,10 @@ def markdown(results, speed=()) -> str:
   if speed:
     lines += ["", "## Placement speed (CPU, one core, numpy)", "",
               "Seconds for `choose_with_eviction` (choose the shared size, place and permute every row) on one "
-              "batch:", "", "| mix | B x S | cp | seconds |", "|---|---|---|---|"]
-    lines += [f"| {e['mix']} | {e['batch']} x {e['seq_len'] // 1024}k | {e['cp']} | {e['seconds']:.2f} |"
-              for e in speed]
+              "batch, by the tolerance rule and by predicted time over every group size:", "",
+              "| mix | B x S | cp | seconds, tolerance | seconds, predicted time |", "|---|---|---|---|---|"]
+    lines += [f"| {e['mix']} | {e['batch']} x {e['seq_len'] // 1024}k | {e['cp']} | {e['seconds']:.2f} | "
+              f"{e['timed_seconds']:.2f} |" for e in speed]
   lines += ["", "Mixes:", ""] + [f"- `{k}`: {v}" for k, v in MIX_NOTES.items()
                                  if any(e["mix"] == k for e in results)]
   return "\n".join(lines) + "\n"
