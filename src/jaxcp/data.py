@@ -383,7 +383,8 @@ class PlacedBatch:
 def place_packed(batch: PackedBatch, cp: int, *, sizes=None, pad_id: int = 0, **cost):
   """Lays one packed batch out for document-placement context parallelism over ``cp`` ranks.
 
-  Chooses the shared size (``jaxcp.choose_placement``'s rule) with what finds no room left out:
+  Chooses the shared size (``jaxcp.choose_placement``'s rule, by predicted time when ``cost`` has
+  ``exchange_cost``) with what finds no room left out:
   those documents' tokens become padding. Returns ``(PlacedBatch, evicted)`` with ``evicted`` a
   bool [N, MAX_DOCS] mask over ``batch.document_ids`` of the segments left out (a stream puts
   them back; :func:`iter_placed_batches` does)."""
@@ -425,7 +426,9 @@ def iter_placed_batches(documents: Iterable, seq_len: int, batch_size: int, cp: 
       longer than any size can hold (a local region, S / cp - R, or the shared one, cp * R) are
       cut into pieces that fit, each piece a document of its own.
     **cost: ``token_cost``, ``pair_cost``, ``tolerance`` of the placement (see DocumentPlacement),
-      and ``groups``, the shared group sizes ``jaxcp.choose_placement`` may choose from.
+      ``groups``, the shared group sizes ``jaxcp.choose_placement`` may choose from, and
+      ``exchange_cost`` (``jaxcp.exchange_cost(q_heads, kv_heads, head_dim)``): choose each
+      batch's layout by predicted time (see ``jaxcp.choose_placement``).
 
   Yields:
     PlacedBatch with ``batch_size`` rows.
