@@ -176,11 +176,21 @@ def load_calibration(calibration=None) -> dict:
     return json.load(f)
 
 
+def _fit(cal: dict, heads):
+  """The calibration's kernel fit for these (query, key-value) heads, or None."""
+  return next((f for f in cal.get("fits", []) if heads is not None and tuple(f["heads"]) == tuple(heads)), None)
+
+
 def placement_cost(cal: dict, heads=None) -> dict:
   """token_cost and pair_cost of the calibration's fit for these heads (its first fit when it has
   none for them; {}: the built-in costs)."""
-  fit = next((f for f in cal.get("fits", []) if heads is not None and tuple(f["heads"]) == tuple(heads)), cal)
+  fit = _fit(cal, heads) or cal
   return dict(token_cost=fit["token_cost"], pair_cost=fit["pair_cost"]) if fit else {}
+
+
+def group_choices(n: int) -> tuple[int, ...]:
+  """The shared group sizes the time-model placement chooses from over n GPUs: every divisor > 1."""
+  return tuple(g for g in range(2, n + 1) if n % g == 0)
 
 
 def exchange_cost(cal: dict, heads, gpus: int) -> float:
@@ -188,7 +198,7 @@ def exchange_cost(cal: dict, heads, gpus: int) -> float:
   (half the bytes in the all-gather, half in the all-to-all) and its pair time for these heads
   (jaxcp's defaults where it has none)."""
   hq, hkv = heads
-  fit = next((f for f in cal.get("fits", []) if tuple(f["heads"]) == (hq, hkv)), None)
+  fit = _fit(cal, heads)
   rates = [cal.get("exchange_bytes_per_s", {}).get(op, {}).get(str(gpus)) for op in ("all_gather", "all_to_all")]
   kw = dict(pair_cost=fit["pair_cost"], pair_seconds=fit["pair_seconds"]) if fit else {}
   if all(rates):
@@ -244,8 +254,8 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cal, tolerances, exposed_gpu
       continue
     mesh = Mesh(np.array(jax.devices()[:n]), ("cp",))
     sh = NamedSharding(mesh, P(None, "cp"))
-    divisors = tuple(g for g in range(2, n + 1) if n % g == 0)
-    cases = ([("placement", "time model", (None, divisors, exchange_cost(cal, heads, n)))] if time_rule and n > 1
+    cases = ([("placement", "time model", (None, group_choices(n), exchange_cost(cal, heads, n)))]
+             if time_rule and n > 1
              else [])
     cases += [("placement", f"tolerance {t:g}", (t, None)) for t in tolerances]
     cases += [("placement", f"tolerance {t:g}, groups of {g}", (t, (g, n))) for t in tolerances for g in groups

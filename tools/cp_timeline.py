@@ -26,7 +26,7 @@ def step_fn(case, gpus, strategy, cal, time_rule=False):
   seq_len, mix, heads = case.split(":")
   heads = tuple(int(h) for h in heads.split("/"))
   arrays, _ = bench_cp.problem(int(seq_len), mix, heads, gpus, bench_cp.placement_cost(cal))
-  extra = (None, tuple(g for g in range(2, gpus + 1) if gpus % g == 0), bench_cp.exchange_cost(cal, heads, gpus))
+  extra = (None, bench_cp.group_choices(gpus), bench_cp.exchange_cost(cal, heads, gpus))
   context_parallel, perm = bench_cp.layout(strategy, arrays[4], gpus, bench_cp.placement_cost(cal, heads),
                                            *(extra if time_rule else ()))
   if strategy == "placement":

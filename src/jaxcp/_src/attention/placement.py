@@ -366,9 +366,14 @@ def _zigzag_ranks(stream_seg: np.ndarray, cp: int) -> np.ndarray:
   return zigzag_docs_ranks(stream_seg[None], cp, np)[0]
 
 
+def _segment_costs(length: np.ndarray, token_cost: float, pair_cost: float) -> np.ndarray:
+  """token_cost * L + pair_cost * L**2 of every segment length L."""
+  return token_cost * length + pair_cost * length.astype(np.float64) ** 2
+
+
 def _row_assignment(seg: _Segments, cp: int, placement: DocumentPlacement, evict: bool, s: int):
   """(rank of every segment, max / mean cost) of one row's segments, or None when R is too small."""
-  cost = placement.token_cost * seg.length + placement.pair_cost * seg.length.astype(np.float64) ** 2
+  cost = _segment_costs(seg.length, placement.token_cost, placement.pair_cost)
   return _assign(seg.length, cost, cp, placement.local_tokens(s, cp), placement.shared_tokens,
                  placement.tolerance, evict, placement.group_size(cp))
 
@@ -673,8 +678,7 @@ def choose_with_eviction(segment_ids, cp_size: int, sizes=None, *, token_cost: f
 
   taken = None
   if exchange_cost is not None:
-    even = [float((token_cost * g.length + pair_cost * g.length.astype(np.float64) ** 2).sum()) / cp
-            for g in segments]
+    even = [float(_segment_costs(g.length, token_cost, pair_cost).sum()) / cp for g in segments]
     taken = _fastest_candidate(candidates, even, assignment, left_out, _check_exchange_cost(exchange_cost),
                                max_evicted * real_tokens)
   # The first candidate that places every row within tolerance, leaving out at most max_evicted.
