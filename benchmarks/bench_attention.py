@@ -488,7 +488,7 @@ def markdown(meta, results):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="tiny shapes (runs on the CPU)")
-  ap.add_argument("--only", default=None, help="substring filter on case names")
+  ap.add_argument("--only", default=None, help="substring filter on case names (several: comma-separated)")
   ap.add_argument("--extra", action="store_true", help="the head dims between tile widths (EXTRA_CASES)")
   ap.add_argument("--out", default=None, help="output folder (default $OUT or benchmarks/results)")
   ap.add_argument("--static-tokens-per-doc", type=int, default=STATIC_TOKENS_PER_DOC,
@@ -505,7 +505,8 @@ def main(argv=None):
   if args.merge:
     return merge_parts(args.merge, cases, name, args.out)
   if args.only:
-    cases = [c for c in cases if args.only in c.name]
+    wanted = args.only.split(",")
+    cases = [c for c in cases if any(w in c.name for w in wanted)]
   if args.part:
     i, n = (int(x) for x in args.part.split("/"))
     if not 0 <= i < n:

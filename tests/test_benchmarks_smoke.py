@@ -143,3 +143,11 @@ def test_cp_overlap_evidence_sees_kernels_inside_fusions():
   assert not overlap_evidence(_SCHEDULE, "all-to-all")
   assert not overlap_evidence(_SCHEDULE.replace("calls=%dynamic_slice_fusion_computation", "calls=%other"),
                               "all-gather")
+
+
+
+def test_bench_attention_only_takes_several_substrings(tmp_path):
+  """--only A,B: the cases whose names contain A or B (here B only: no case is named A)."""
+  module = _run_quick("bench_attention", tmp_path, "--only", "no such case,1x512")
+  data = json.loads((tmp_path / "attention_cpu.json").read_text())
+  assert [r["case"]["name"] for r in data["results"]] == [module.QUICK_CASES[1].name]
