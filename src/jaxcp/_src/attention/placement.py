@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import heapq
 import itertools
+import math
 import operator
 
 import jax
@@ -246,29 +247,33 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, r_toke
       in_group = np.where(_is_shared(rank), SHARED - rank, -1)
       _rebalance(length, cost, in_group, group_cost, group_room)
       rank = np.where(in_group >= 0, SHARED - in_group, rank)
-    load = np.repeat(group_cost / group, group)
-    room = np.full(cp, capacity, np.int64)
     placed = total - int(length[pre_evicted].sum())
+    # Per segment, in Python lists: numpy's per-call overhead on arrays of cp values was most of
+    # the search's time.
+    load_l = np.repeat(group_cost / group, group).tolist()
+    room_l = [capacity] * cp
     fits = True
-    for g in order[k:n]:
-      open_ranks = np.flatnonzero(room >= length[g])
-      if open_ranks.size:
-        r = open_ranks[np.argmin(load[open_ranks])]
+    for g in order[k:n].tolist():
+      lg, cg = int(length[g]), float(cost[g])
+      r = _cheapest_open(load_l, room_l, lg)
+      if r >= 0:
         rank[g] = r
-        load[r] += cost[g]
-        room[r] -= length[g]
-      elif (fits_group := np.flatnonzero(group_room >= length[g])).size:
+        load_l[r] += cg
+        room_l[r] -= lg
+      elif (fits_group := np.flatnonzero(group_room >= lg)).size:
         j = fits_group[np.argmin(group_cost[fits_group])]  # the cheapest group with room
         share(g, j)
-        load[j * group:(j + 1) * group] += cost[g] / group
+        for r in range(j * group, (j + 1) * group):
+          load_l[r] += cg / group
       elif evict:
         rank[g] = EVICTED
-        placed -= int(length[g])
+        placed -= lg
       else:
         fits = False
         break
     if not fits:
       continue
+    load, room = np.array(load_l), np.array(room_l, np.int64)
     if load.max() > (1.0 + tolerance) * load.mean():
       _rebalance(length, cost, rank, load, room)
     mean = load.mean()
@@ -279,6 +284,15 @@ def _assign(length: np.ndarray, cost: np.ndarray, cp: int, capacity: int, r_toke
     if imbalance <= 1.0 + tolerance and total <= placed * (1.0 + tolerance):
       break
   return None if best is None else best[:2]
+
+
+def _cheapest_open(load: list, room: list, length: int) -> int:
+  """The rank of least load (the first of equals) with room for `length` tokens, or -1."""
+  best, best_load = -1, math.inf
+  for r, (l, left) in enumerate(zip(load, room)):
+    if left >= length and l < best_load:
+      best, best_load = r, l
+  return best
 
 
 # Group assignments of the largest shared segments tried (see _group_assignment), with at most
@@ -308,6 +322,8 @@ def _group_assignment(segs, length, cost, n_groups: int, room: int):
         break
       left[j] -= l
       load[j] += costs[i]
+      if best is not None and load[j] >= best[0]:
+        break  # loads only grow: this head cannot beat the best
     else:
       if best is None or max(load) < best[0]:
         best = (max(load), groups)
@@ -318,40 +334,34 @@ def _rebalance(length: np.ndarray, cost: np.ndarray, rank: np.ndarray, load: np.
   """Local search after the longest-first assignment (rank, load and room updated in place):
   while some segment of the costliest rank can move to another rank, or trade places with a
   cheaper segment there, so that the costliest of the two ends below it (room permitting), take
-  the move that lowers it most. Longest-first leaves a few percent that this recovers (lognormal
-  rows at 4 ranks: 2-3% above the mean down to 1.5-2%, often with no shared region at all)."""
+  the move that lowers it most (of equal gains, the first by destination rank, moves before
+  swaps, then by segment). Longest-first leaves a few percent that this recovers (lognormal rows
+  at 4 ranks: 2-3% above the mean down to 1.5-2%, often with no shared region at all)."""
   cp = load.size
+  ranks = np.arange(cp)
   for _ in range(4 * max(rank.size, 1)):
     m = int(np.argmax(load))
     mine = np.flatnonzero(rank == m)
     if not mine.size:
       return
-    best_gain, best = 1e-9 * load[m], None
-    for r in range(cp):
-      if r == m:
-        continue
-      # Moves: segment d of m to r.
-      fit = length[mine] <= room[r]
-      gain = load[m] - np.maximum(load[m] - cost[mine], load[r] + cost[mine])
-      gain = np.where(fit, gain, -np.inf)
-      i = int(np.argmax(gain)) if gain.size else 0
-      if gain.size and gain[i] > best_gain:
-        best_gain, best = gain[i], (mine[i], None, r)
-      # Swaps: segment d of m for segment e of r.
-      theirs = np.flatnonzero(rank == r)
-      if not theirs.size:
-        continue
-      dc = cost[mine][:, None] - cost[theirs][None, :]
-      dl = length[mine][:, None] - length[theirs][None, :]
-      fit = (dl <= room[r]) & (-dl <= room[m]) & (dc > 0)
-      gain = load[m] - np.maximum(load[m] - dc, load[r] + dc)
-      gain = np.where(fit, gain, -np.inf)
-      i, j = np.unravel_index(int(np.argmax(gain)), gain.shape)
-      if gain[i, j] > best_gain:
-        best_gain, best = gain[i, j], (mine[i], theirs[j], r)
-    if best is None:
+    c_mine, l_mine = cost[mine][:, None], length[mine][:, None]
+    # Moves: segment i of m to rank r, gain [i, r].
+    move = load[m] - np.maximum(load[m] - c_mine, load[None, :] + c_mine)
+    move = np.where((l_mine <= room[None, :]) & (ranks[None, :] != m), move, -np.inf)
+    # Swaps: segment i of m for segment j of another rank, gain [i, j].
+    others = np.flatnonzero((rank >= 0) & (rank < cp) & (rank != m))
+    their_rank = rank[others]
+    dc = c_mine - cost[others][None, :]
+    dl = l_mine - length[others][None, :]
+    fit = (dl <= room[their_rank][None, :]) & (-dl <= room[m]) & (dc > 0)
+    swap = np.where(fit, load[m] - np.maximum(load[m] - dc, load[their_rank][None, :] + dc), -np.inf)
+    top = max(move.max(), swap.max() if swap.size else -np.inf)
+    if not top > 1e-9 * load[m]:
       return
-    d, e, r = best
+    keys = [(r, 0, i, 0) for i, r in zip(*np.nonzero(move == top))]
+    keys += [(their_rank[j], 1, i, others[j]) for i, j in zip(*np.nonzero(swap == top))]
+    r, kind, i, e = min(keys)
+    d, e, r = mine[i], (e if kind else None), int(r)
     for g, src, dst in ((d, m, r),) + (((e, r, m),) if e is not None else ()):
       rank[g] = dst
       load[src] -= cost[g]
