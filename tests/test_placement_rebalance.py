@@ -4,7 +4,7 @@ moves before swaps, then by segment. Layouts then stay the same whatever way it 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from jaxcp._src.attention.placement import _rebalance
+from jaxcp._src.attention.placement import _rebalance, _trade
 
 
 def _rebalance_loop(length, cost, rank, load, room):
@@ -37,12 +37,7 @@ def _rebalance_loop(length, cost, rank, load, room):
     if best is None:
       return
     d, e, r = best
-    for g, src, dst in ((d, m, r),) + (((e, r, m),) if e is not None else ()):
-      rank[g] = dst
-      load[src] -= cost[g]
-      load[dst] += cost[g]
-      room[src] += length[g]
-      room[dst] -= length[g]
+    _trade(length, cost, rank, load, room, d, e, m, r)
 
 
 @st.composite

@@ -77,8 +77,7 @@ def report(name, rows, top=12):
 
 
 def opcode_diff(a_rows, b_rows, names, top=16):
-  count = lambda rows: collections.Counter({k: v for k, v in _sum_by_opcode(rows).items()})
-  a, b = count(a_rows), count(b_rows)
+  a, b = _sum_by_opcode(a_rows), _sum_by_opcode(b_rows)
   keys = sorted(set(a) | set(b), key=lambda k: -abs(a[k] - b[k]))[:top]
   print(f"== opcodes whose executed counts differ most (M warp instructions): {names[0]} / {names[1]}")
   for k in keys:

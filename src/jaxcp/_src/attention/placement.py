@@ -361,13 +361,18 @@ def _rebalance(length: np.ndarray, cost: np.ndarray, rank: np.ndarray, load: np.
     keys = [(r, 0, i, 0) for i, r in zip(*np.nonzero(move == top))]
     keys += [(their_rank[j], 1, i, others[j]) for i, j in zip(*np.nonzero(swap == top))]
     r, kind, i, e = min(keys)
-    d, e, r = mine[i], (e if kind else None), int(r)
-    for g, src, dst in ((d, m, r),) + (((e, r, m),) if e is not None else ()):
-      rank[g] = dst
-      load[src] -= cost[g]
-      load[dst] += cost[g]
-      room[src] += length[g]
-      room[dst] -= length[g]
+    _trade(length, cost, rank, load, room, mine[i], e if kind else None, m, int(r))
+
+
+def _trade(length, cost, rank, load, room, d: int, e, m: int, r: int):
+  """Segment d moves from rank m to rank r and, unless e is None, segment e from r to m (rank,
+  load and room updated in place)."""
+  for g, src, dst in ((d, m, r),) + (((e, r, m),) if e is not None else ()):
+    rank[g] = dst
+    load[src] -= cost[g]
+    load[dst] += cost[g]
+    room[src] += length[g]
+    room[dst] -= length[g]
 
 
 def _zigzag_ranks(stream_seg: np.ndarray, cp: int) -> np.ndarray:
