@@ -47,7 +47,8 @@ struct BwdParams {
   int64_t sq_pad;
   // Deterministic sm_90a backward: each dQ tile's bulk adds go in decreasing key tile order.
   // dq_ticket[(b * nkv + n) * nq + m] = how many key tiles after n add to query tile m (valid where
-  // key tile n's walk visits m); dq_sem[(b * Hq + h) * nq + m] = adds done so far (zeroed per call).
+  // key tile n's walk visits m); dq_sem[(b * Hq + h) * nq + m] = adds done so far (zeroed per call;
+  // the sm_90a kernel at D <= 128 counts a GQA block's heads as one add, on its first head's).
   // Both null otherwise.
   const int* dq_ticket;
   int* dq_sem;

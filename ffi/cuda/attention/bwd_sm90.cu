@@ -27,6 +27,10 @@
 // masks (windows, chunks) the higher key tiles reach a query tile first anyway (FlashAttention-3's
 // deterministic backward orders its dQ adds the same way). dK and dV need no turns: one block
 // writes each key tile's (split GQA groups' partial sums are reduced in a fixed order).
+// A GQA block runs its group's heads innermost (every head of a query tile, then the next tile)
+// and takes one turn per query tile for all of them (on the semaphore of its first head): a turn
+// costs a wait on the semaphore, the adds' completion and a GPU-scope fence, and a turn per head
+// made 1x128k doc8k 32/8 7% slower (H200). At D 192 and 256 the consumers take turns per head.
 //
 // Multi-head latent attention (q/k 192, v 128: KT::kDv) runs V, dO, dP^T = V dO^T and dV at the
 // value head dim, Q, K, S^T, dK and dQ at the head dim.
@@ -164,7 +168,10 @@ struct BwdSm90Params {
   typename KT::TmaStoreV tma_dv;
 };
 
-template <class KT>
+// kOrdered: the deterministic kernel at D 64 and 128 (p.dq_sem set): heads innermost, dQ adds in
+// turns. A template flag, so that the default kernel carries none of it (the split-D designs
+// check p.dq_sem at run time; their consumers add dQ themselves).
+template <class KT, bool kOrdered>
 __global__ void __launch_bounds__(KT::kThreads, 1)
     attention_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params<KT> P) {
 #if JAXCP_SM90_DEVICE
@@ -192,8 +199,15 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   int cls_first = kSkip;
   const int i_first = bwd_next_q_serial<BM>(p, w, w.range.x, cls_first);  // the same for every head
   const bool any_work = w.h_begin < w.h_end && i_first < w.range.y;
-  // Steps run over (head, query tile): the query tiles of each head of the block's group.
+  // Steps run over (head, query tile): the query tiles of each head of the block's group, or in
+  // the deterministic kernel (one turn per query tile for the group) the heads of each query tile.
   auto next_step = [&](int& h, int& i, int& c) {
+    if constexpr (kOrdered) {  // heads inner: the group takes one turn per query tile
+      if (++h < w.h_end) return true;
+      h = w.h_begin;
+      i = bwd_next_q_serial<BM>(p, w, i + 1, c);
+      return i < w.range.y;
+    }
     i = bwd_next_q_serial<BM>(p, w, i + 1, c);
     if (i >= w.range.y) {
       ++h;
@@ -221,25 +235,28 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // ---------------- dQ writer warp: a bulk reduce-add per warpgroup and step ----------------
         // Each warpgroup's half of the tile (its fragments) leaves as soon as it is in shared
         // memory, and its buffer is free again once read, whatever the other warpgroup does.
-        // Deterministic (dq_sem set): a tile's adds take turns, key tiles in decreasing order
+        // Deterministic (kOrdered): a query tile's adds take turns, key tiles in decreasing order
         // (blocks start in that order, so a turn never waits on a block that has not started;
-        // under causal masks the higher key tiles reach a query tile first anyway).
+        // under causal masks the higher key tiles reach a query tile first anyway); the group's
+        // turn is taken at its first head and passed on after its last head's adds are complete.
         constexpr int kHalf = BM * D / 2;  // floats
         int h = w.h_begin, i = i_first, c = cls_first;
         bool more = true;
         for (int half = 0; half < 2; ++half)  // both halves start empty
           cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + half);
+        DqTurn turn{nullptr, 0};  // deterministic: the group's turn on the current query tile
         do {
           const int hs = h, is = i;
           more = next_step(h, i, c);
           float* gdq = p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D);
-          DqTurn turn{nullptr, 0};
           for (int half = 0; half < 2; ++half) {
             cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull + half);
             if (threadIdx.x == 32) {
-              if (half == 0 && p.dq_sem != nullptr) {
-                turn = dq_turn(p, w.b, hs, w.n_block, is);
-                wait_turn(turn.sem, turn.ticket);
+              if constexpr (kOrdered) {
+                if (half == 0 && hs == w.h_begin) {
+                  turn = dq_turn(p, w.b, w.h_begin, w.n_block, is);
+                  wait_turn(turn.sem, turn.ticket);
+                }
               }
               bulk_reduce_add_f32(gdq + half * kHalf, ss.dq.data() + half * kHalf, kHalf * 4);
               tma_store_arrive();
@@ -251,7 +268,9 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           if (threadIdx.x == 32) tma_store_wait<0>();
           __syncwarp();
           if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + 1);
-          if (turn.sem != nullptr) pass_turn(turn.sem, turn.ticket + 1);
+          if constexpr (kOrdered) {
+            if (threadIdx.x == 32 && hs == w.h_end - 1) pass_turn(turn.sem, turn.ticket + 1);
+          }
           __syncwarp();
         } while (more);
         if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -644,9 +663,17 @@ cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
     P.tma_dv = make_tma_copy(SM90_TMA_STORE{}, g(Int<Dv>{}, p.dv, p.Skv, p.Hkv), typename KT::SmemLayoutV{},
                              Shape<Int<BN>, Int<Dv>>{}, _1{});
   }
-  auto kernel = attention_bwd_sm90_kernel<KT>;
-  static unsigned smem_done = 0;
-  cudaError_t err = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), KT::kSmemBytes, &smem_done);
+  auto kernel = attention_bwd_sm90_kernel<KT, false>;
+  if constexpr (!KT::kSplitD) {
+    if (p.dq_sem != nullptr) {
+      // The deterministic backward pads D 96 to 128 (attention_bwd_head_dim_supported).
+      if constexpr (!sm80_head_dim(KT::kD)) return cudaErrorInvalidValue;
+      else kernel = attention_bwd_sm90_kernel<KT, true>;
+    }
+  }
+  static unsigned smem_done[2] = {0, 0};
+  cudaError_t err = set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), KT::kSmemBytes,
+                                         &smem_done[p.dq_sem != nullptr]);
   if (err != cudaSuccess) return err;
   const int64_t blocks = p.B * p.nkv * p.Hkv * p.splits;
   if (blocks > INT_MAX) return cudaErrorInvalidValue;
