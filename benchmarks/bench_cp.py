@@ -52,6 +52,7 @@ import doc_mixes  # noqa: E402
 import jaxcp  # noqa: E402
 from jaxcp._src.attention.context_parallel import keeps_gathered as jaxcp_keeps_gathered  # noqa: E402
 from jaxcp._src.attention.context_parallel import _own_keys_first, _sort_block as sort_block  # noqa: E402
+from jaxcp._src.attention.context_parallel import trades_with_partner as jaxcp_trades  # noqa: E402
 
 D = 128
 STRATEGIES = {"placement": "placement", "all_gather": "balanced_blocks", "ring": "striped"}
@@ -129,8 +130,10 @@ def in_document_order(keys, seg, pos, block):
 def rank_compute_times(strategy, arrays, n, shared, reps, group=None):
   """Each rank's own kernels timed alone on one GPU (what it computes, no communication), in
   seconds, with the gathered keys in the order jaxcp gives them (in_document_order; rank order
-  where an all-shared shard of at most 2 query heads a key head splits them by rank); group: the
-  ranks whose shared keys a placement's shared queries see (default all n)."""
+  where an all-shared shard of at most 2 query heads a key head runs its own keys and the
+  others' as two calls, timed so; in jaxcp the others' call of a group of more than 2 sees the
+  rank's own keys too, masked); group: the ranks whose shared keys a placement's shared queries
+  see (default all n)."""
   dev = jax.devices()[0]
   q, k, v, do, seg, pos = arrays
   shard = q.shape[1] // n
@@ -147,9 +150,13 @@ def rank_compute_times(strategy, arrays, n, shared, reps, group=None):
         parts.append((lo, lo))
       if shared:
         g = group or n
-        keys = np.concatenate([np.arange(j * shard + c, (j + 1) * shard) for j in range(r // g * g, r // g * g + g)])
-        parts.append((slice(r * shard + c, (r + 1) * shard),
-                      keys if _own_keys_first(c, q, k) else order(keys, shared)))
+        ranks = range(r // g * g, r // g * g + g)
+        region = lambda j: np.arange(j * shard + c, (j + 1) * shard)
+        queries = slice(r * shard + c, (r + 1) * shard)
+        if _own_keys_first(c, q, k):  # two calls: the rank's own keys, then the others' (rank order)
+          parts += [(queries, region(r)), (queries, np.concatenate([region(j) for j in ranks if j != r]))]
+        else:
+          parts.append((queries, order(np.concatenate([region(j) for j in ranks]), shared)))
     elif strategy == "all_gather":
       parts = [(mine, order(np.arange(q.shape[1]), shard))]
     else:
@@ -281,7 +288,8 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cal, tolerances, exposed_gpu
       ranks_t = (rank_compute_times(strategy, host, n, shared, max(2, reps // 2), group) if n in exposed_gpus
                  else [float("nan")])
       t_comp = max(ranks_t)
-      op = {"placement": "all-gather", "ring": "collective-permute"}.get(strategy)
+      trades = strategy == "placement" and shared and jaxcp_trades(context_parallel, n, seq_len // n, hq, hkv)
+      op = "collective-permute" if trades else {"placement": "all-gather", "ring": "collective-permute"}.get(strategy)
       row = dict(base, gpus=n, strategy=strategy, balance=balance, shared_tokens=shared, shared_group=group, ms=t * 1e3,
                  tflops=flops / t / 1e12, efficiency=t1 / (n * t), compute_ms=t_comp * 1e3,
                  rank_compute_ms=[x * 1e3 for x in ranks_t], split_work=sum(ranks_t) / t1,
@@ -290,8 +298,8 @@ def run_case(seq_len, mix, heads, gpu_counts, reps, cal, tolerances, exposed_gpu
                                             gathers=1 if jaxcp_keeps_gathered(context_parallel) else 2) / 1e6,
                  overlap=overlap_evidence(hlo, op) if op and (strategy != "placement" or shared) else None)
       if strategy == "placement" and shared and jaxcp_keeps_gathered(context_parallel):
-        # The backward's dK/dV all-to-all has the local part inside it (the forward kept the gather).
-        row["overlap"] = row["overlap"] and overlap_evidence(hlo, "all-to-all")
+        # The backward's dK/dV exchange has the local part inside it (the forward kept the gather).
+        row["overlap"] = row["overlap"] and overlap_evidence(hlo, op if trades else "all-to-all")
       rows.append(row)
       print(f"  {n} GPUs {strategy:10s} {balance:15s} R={shared:6d}: {t * 1e3:7.1f} ms, eff {row['efficiency']:.3f}, "
             f"exposed {row['exposed_comm']}, ranks {sum(ranks_t) / t1:.3f} x T1 (max {t_comp * n / t1:.3f}), "

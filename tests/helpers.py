@@ -183,6 +183,25 @@ def placement_gathers(hlo_text: str):
   return [s for s in shapes if s[-1] != 2], [s for s in shapes if s[-1] == 2]
 
 
+def placement_trades(hlo_text: str):
+  """The collective-permutes of a compiled placed program: (their result shapes, their
+  source_target_pairs as lists of (source, target))."""
+  shapes, pairs = [], []
+  for line in hlo_text.splitlines():
+    if re.search(r" collective-permute\(", line):
+      shapes.append([int(x) for x in re.search(r"= [fsu]32\[([\d,]+)\]", line).group(1).split(",")])
+      pairs.append([tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])])
+  return shapes, pairs
+
+
+def trades_keys(r: int, shard: int, group: int, hq: int, hkv: int) -> bool:
+  """Whether a placed call trades its shared region with one partner rank (collective-permutes)
+  instead of gathering: everything shared, in a group of two, up to OWN_KEYS_FIRST_MAX_GROUP query
+  heads a key head (context_parallel.trades_with_partner)."""
+  from jaxcp._src.attention.context_parallel import OWN_KEYS_FIRST_MAX_GROUP
+  return r == shard and group == 2 and hq <= OWN_KEYS_FIRST_MAX_GROUP * hkv
+
+
 def sorts_keys(r: int, shard: int, hq: int, hkv: int) -> bool:
   """Whether a placed call sorts its gathered shared keys: it has a shared region, and a local
   part or more than OWN_KEYS_FIRST_MAX_GROUP query heads a key head (context_parallel)."""

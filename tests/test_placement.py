@@ -19,7 +19,8 @@ from jaxcp._src.attention.placement import place_rows, placement_violations, sha
 from jaxcp._src.compat import shard_map
 from jaxcp._src.masks import positions_from_segments
 
-from .helpers import placement_gathers, sorts_keys, positions_in_documents, rel_err, self_attention_rows_close
+from .helpers import (placement_gathers, placement_trades, positions_in_documents, rel_err, self_attention_rows_close,
+                      sorts_keys, trades_keys)
 from .strategies import packed_row
 
 B, S, HQ, HKV, D = 2, 64, 4, 2, 8
@@ -200,6 +201,16 @@ def test_jit_placement_matches_unsharded(cpu_devices, mesh_shape, mask_name):
   text = f.lower(*args).compile().as_text()
   r = placement.shared_tokens
   assert placement.cp_size == cp
+  want = jax.jit(_fwd_bwd("auto", MASKS[mask_name], implementation="xla"))(*arrays)
+  if trades_keys(r, S // cp, cp, HQ, HKV):
+    # Everything shared over 2 ranks: each trades its region with the other (one collective-permute
+    # of packed K, V and key tokens, kept for the backward, and one of dK/dV back); nothing else.
+    shapes, _ = placement_trades(text)
+    assert "all-gather" not in text and "all-to-all" not in text and "reduce-scatter" not in text
+    width = 2 * (HKV // tp) * D
+    assert sorted(shapes) == sorted([[B // dp, r, width + 2], [B // dp, r, width]]), shapes
+    _check(f(*args), want)
+    return
   # Only the shared region is gathered (the gathered sequence is cp * R, never all of S) and only
   # K, V and the key tokens' arrays, packed into one [B, cp * R, 2 * local Hkv * D + 2] array, once:
   # the forward keeps it for the backward (choose_placement's placements know their ranks). Q never.
@@ -218,7 +229,7 @@ def test_jit_placement_matches_unsharded(cpu_devices, mesh_shape, mask_name):
                for shape in re.findall(r"f32\[([\d,]+)\]", line.split("all-to-all(")[0])]
   assert (len(exchanged) > 0) == (r > 0)
   assert all(dims[2] == r for dims in exchanged)
-  _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS[mask_name], implementation="xla"))(*arrays))
+  _check(f(*args), want)
 
 
 @pytest.mark.parametrize("tp,cp", [(2, 4), (4, 2)])

@@ -19,7 +19,7 @@ from jaxcp._src.attention.placement import place_rows, placement_violations
 from jaxcp._src.compat import shard_map
 from jaxcp._src.masks import positions_from_segments
 
-from .helpers import placement_gathers, sorts_keys, rel_err
+from .helpers import placement_gathers, placement_trades, rel_err, sorts_keys, trades_keys
 from .strategies import packed_row
 
 B, S, HQ, HKV, D = 2, 64, 4, 2, 8
@@ -142,6 +142,16 @@ def test_jit_grouped_placement_matches_unsharded(cpu_devices, mesh_shape, groups
   args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
   f = jax.jit(_fwd_bwd(placement, MASKS[mask_name]))
   text = f.lower(*args).compile().as_text()
+  if trades_keys(r, S // cp, g, HQ, HKV):
+    # Everything shared in pairs: each rank trades its region with its partner (one collective-
+    # permute of packed K, V and key tokens, kept for the backward; one of dK/dV back), nothing
+    # else. Q never.
+    shapes, pairs = placement_trades(text)
+    assert "all-gather" not in text and "all-to-all" not in text
+    assert sorted(shapes) == sorted([[B // dp, r, 2 * HKV * D + 2], [B // dp, r, 2 * HKV * D]]), shapes
+    assert all(sorted(p) == [(j, j ^ 1) for j in range(dp * cp)] for p in pairs), pairs
+    _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS[mask_name], implementation="xla"))(*arrays))
+    return
   # The group's shared regions only (g * R tokens, packed K, V and the key tokens' arrays), once:
   # the forward keeps its group's for the backward; in groups of g ranks; Q never.
   lines = [line for line in text.splitlines() if re.search(r" all-gather\(", line)]
@@ -157,25 +167,34 @@ def test_jit_grouped_placement_matches_unsharded(cpu_devices, mesh_shape, groups
   _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS[mask_name], implementation="xla"))(*arrays))
 
 
-def test_shard_map_grouped_placement(cpu_devices):
-  """A local region and a shared one (R = 8 of 16) in pairs of ranks, inside shard_map."""
-  placement, arrays = _placed(4, sizes=(8,), groups=(2,), tolerance=10.0)
-  assert (placement.shared_group, placement.shared_tokens) == (2, 8)
+@pytest.mark.parametrize("shared", [8, 16])
+def test_shard_map_grouped_placement(cpu_devices, shared):
+  """Pairs of ranks inside shard_map: a local region and a shared one (R = 8 of 16), or everything
+  shared (R = 16), which each rank trades with its partner."""
+  placement, arrays = _placed(4, sizes=(shared,), groups=(2,), tolerance=10.0)
+  assert (placement.shared_group, placement.shared_tokens) == (2, shared)
   mesh = _mesh(2, 4)
   s4, s2 = P("dp", "cp", None, None), P("dp", "cp")
   body = _fwd_bwd(placement, MASKS["causal"], axis="cp")
   f = jax.jit(shard_map(body, mesh=mesh, in_specs=(s4, s4, s4, s4, s2, s2), out_specs=(s4, s4, s4, s4)))
   stable = f.lower(*arrays).as_text()
-  # kept for the backward, which gathers only the shared blocks' first key tokens (rank order)
-  assert len(re.findall(r"stablehlo\.all_gather\b", stable)) == 2
-  assert len(re.findall(r"stablehlo\.all_to_all\b", stable)) == 1
+  count = lambda op: len(re.findall(rf"stablehlo\.{op}\b", stable))
+  if shared == 16:
+    # K/V (kept) and dK/dV trade places, each with the queries against the rank's own keys under it.
+    assert (count("all_gather"), count("all_to_all"), count("collective_permute")) == (0, 0, 2)
+    assert count("optimization_barrier") == 4
+  else:
+    # kept for the backward, which gathers only the shared blocks' first key tokens (rank order)
+    assert (count("all_gather"), count("all_to_all"), count("collective_permute")) == (2, 1, 0)
   _check(f(*arrays), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 
 
-def test_grouped_placement_with_heads_sharded_under_remat_and_vmap(cpu_devices):
-  """tp x cp (heads over tp) with groups of 2: the kept per-rank blocks are residuals like any
-  other under jax.checkpoint (recomputed, or saved by name), and vmap folds them into the batch."""
-  placement, arrays = _placed(4, sizes=(8,), groups=(2,), tolerance=10.0)
+@pytest.mark.parametrize("shared", [8, 16])
+def test_grouped_placement_with_heads_sharded_under_remat_and_vmap(cpu_devices, shared):
+  """tp x cp (heads over tp) with groups of 2: the kept per-rank blocks (the pair's regions, or
+  with everything shared the partner's) are residuals like any other under jax.checkpoint
+  (recomputed, or saved by name), and vmap folds them into the batch."""
+  placement, arrays = _placed(4, sizes=(shared,), groups=(2,), tolerance=10.0)
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("tp", "cp"))
   s4, s2 = NamedSharding(mesh, P(None, "cp", "tp", None)), NamedSharding(mesh, P(None, "cp"))
   args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
@@ -192,3 +211,25 @@ def test_grouped_placement_with_heads_sharded_under_remat_and_vmap(cpu_devices):
   got = jax.jit(jax.vmap(_fwd_bwd(placement, MASKS["causal"])))(*[jnp.stack([x, x]) for x in args])
   _check([g[0] for g in got], want)
   _check([g[1] for g in got], want)
+
+
+def test_pair_trades_again_without_kept(cpu_devices):
+  """Everything shared over 2 ranks by a placement that does not name its ranks: nothing is kept,
+  so the backward trades K/V again (under the part against the rank's own keys) before dK/dV."""
+  seg = _rows()
+  pos = np.asarray(positions_from_segments(jnp.asarray(seg)))
+  placement = jaxcp.DocumentPlacement(S // 2)
+  perm, _, evicted = place_rows(seg, 2, placement, evict=True)
+  seg, pos = np.where(evicted, 0, seg), np.where(evicted, 0, pos)
+  rng = np.random.default_rng(1)
+  qkv = [rng.standard_normal(s).astype(np.float32) for s in [(B, S, HQ, D), (B, S, HKV, D), (B, S, HKV, D),
+                                                              (B, S, HQ, D)]]
+  arrays = [jaxcp.load_balance(jnp.asarray(x), 2, strategy=perm) for x in (*qkv, seg, pos)]
+  mesh = _mesh(1, 2)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", None, None)), NamedSharding(mesh, P("dp", "cp"))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  f = jax.jit(_fwd_bwd(placement, MASKS["causal"]))
+  shapes, _ = placement_trades(f.lower(*args).compile().as_text())
+  width = 2 * HKV * D
+  assert sorted(shapes) == sorted([[B, S // 2, width + 2]] * 2 + [[B, S // 2, width]]), shapes
+  _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))

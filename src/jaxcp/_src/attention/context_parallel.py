@@ -251,11 +251,31 @@ def keeps_gathered(strategy) -> bool:
           and strategy.cp_size is not None and strategy.cp_size > 1)
 
 
-def kept_per_rank(placement: DocumentPlacement) -> bool:
-  """True when the kept arrays differ between ranks (groups gather different keys): they are
-  then sharded over the context-parallel axis, each rank's block its group's g * R tokens;
-  otherwise every rank keeps the same cp * R tokens (replicated)."""
-  return placement.group_size(placement.cp_size) < placement.cp_size
+def trades_with_partner(placement: DocumentPlacement, cp_size: int, shard_len: int, q_heads: int,
+                        kv_heads: int) -> bool:
+  """Whether an all-shared shard (no local part) in a group of two ranks, with up to
+  OWN_KEYS_FIRST_MAX_GROUP query heads a key head, trades its shared region with the other rank
+  (one collective-permute each way) instead of gathering the pair's: it runs against its own
+  keys under the trade and against the partner's after, so neither its own block nor its dK/dV
+  partials (zeros) are copied in and out of a gathered array. Decided by the heads of the whole
+  problem: the kept arrays' shapes depend on it (gathered_shapes)."""
+  return (placement.group_size(cp_size) == 2 and placement.shared_tokens == shard_len
+          and q_heads <= OWN_KEYS_FIRST_MAX_GROUP * kv_heads)
+
+
+def _trades(placement: DocumentPlacement, kv_len: int, q_heads: int, kv_heads: int) -> bool:
+  """trades_with_partner for a placement that knows its ranks, from the whole row's shapes."""
+  cp = placement.cp_size
+  return trades_with_partner(placement, cp, kv_len // cp, q_heads, kv_heads)
+
+
+def kept_per_rank(placement: DocumentPlacement, kv_len: int, q_heads: int, kv_heads: int) -> bool:
+  """True when the kept arrays differ between ranks (groups gather different keys, or a rank keeps
+  its partner's block: trades_with_partner): they are then sharded over the context-parallel
+  axis, each rank's block its group's g * R tokens (its partner's R); otherwise every rank keeps
+  the same cp * R tokens (replicated). kv_len, q_heads and kv_heads: the whole row's."""
+  return (placement.group_size(placement.cp_size) < placement.cp_size
+          or _trades(placement, kv_len, q_heads, kv_heads))
 
 
 def _axis_groups(placement: DocumentPlacement):
@@ -267,30 +287,35 @@ def _axis_groups(placement: DocumentPlacement):
   return [list(range(j * g, (j + 1) * g)) for j in range(cp // g)]
 
 
-def gathered_tokens(placement: DocumentPlacement) -> int:
-  """Key tokens of what keeps_gathered keeps: cp * R (kept_per_rank: cp blocks of g * R, one per
-  rank)."""
-  n = placement.cp_size * placement.shared_tokens
-  return n * placement.group_size(placement.cp_size) if kept_per_rank(placement) else n
+def gathered_tokens(placement: DocumentPlacement, kv_len: int, q_heads: int, kv_heads: int) -> int:
+  """Key tokens of what keeps_gathered keeps: cp * R (replicated, or with trades_with_partner one
+  block of R a rank), or with groups cp blocks of g * R, one per rank."""
+  n, g = placement.cp_size * placement.shared_tokens, placement.group_size(placement.cp_size)
+  return n if _trades(placement, kv_len, q_heads, kv_heads) or g == placement.cp_size else n * g
 
 
-def gathered_shapes(placement: DocumentPlacement, k, v):
+def gathered_shapes(placement: DocumentPlacement, q, k, v):
   """Shapes of what keeps_gathered keeps: K, V, segment ids and positions of its key tokens."""
-  b, _, hkv, d = k.shape
-  n = gathered_tokens(placement)
+  b, s, hkv, d = k.shape
+  n = gathered_tokens(placement, s, q.shape[2], hkv)
   return (b, n, hkv, d), (b, n, hkv, v.shape[3]), (b, n), (b, n)
 
 
-def shared_of_row(placement: DocumentPlacement, k, v, kv_seg, kv_pos):
+def shared_of_row(placement: DocumentPlacement, heads, k, v, kv_seg, kv_pos):
   """What the ranks' all-gather of their shared regions gives, taken from an unsharded row (every
   rank's last R of its S / cp tokens, in rank order; kept_per_rank: for each rank in turn, those
-  of its group's ranks)."""
+  of its group's ranks, or its partner's with trades_with_partner). heads: the whole problem's
+  (query heads, key/value heads)."""
   cp, r, g = placement.cp_size, placement.shared_tokens, placement.group_size(placement.cp_size)
+  trades = _trades(placement, k.shape[1], *heads)
+  per_rank = kept_per_rank(placement, k.shape[1], *heads)
 
   def take(x):
     b, s, *rest = x.shape
     regions = x.reshape(b, cp, s // cp, *rest)[:, :, s // cp - r:]
-    if kept_per_rank(placement):  # rank i's block: the regions of ranks i // g * g .. + g - 1
+    if trades:  # rank i's block: rank i ^ 1's region
+      return regions.reshape(b, cp // 2, 2, r, *rest)[:, :, ::-1].reshape(b, cp * r, *rest)
+    if per_rank:  # rank i's block: the regions of ranks i // g * g .. + g - 1
       return jnp.repeat(regions.reshape(b, cp // g, g * r, *rest), g, axis=1).reshape(b, cp * g * r, *rest)
     return regions.reshape(b, cp * r, *rest)
 
@@ -354,7 +379,57 @@ def _own_keys_first(c, q, k) -> bool:
   return not c and q.shape[2] <= OWN_KEYS_FIRST_MAX_GROUP * k.shape[2]
 
 
-def placed_fwd(placement, local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+def _partner_perm(cp_size: int):
+  """Each rank with the other of its pair (groups are consecutive ranks)."""
+  return [(j, j ^ 1) for j in range(cp_size)]
+
+
+def _trade(axis, cp_size, moved):
+  return tuple(jax.lax.ppermute(x, axis, _partner_perm(cp_size)) for x in moved)
+
+
+def _partner_fwd(placement, local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
+  """placed_fwd with trades_with_partner: the queries against the rank's own keys while its K/V
+  (packed with their token arrays) and its partner's cross, then against the partner's; kept:
+  the partner's block."""
+  args = (q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+  moved, unpack = _pack((k, v, kv_seg, kv_pos))
+  own, arrived = _overlapped(lambda m: _trade(axis, cp_size, m), moved, local_fwd, args)
+  partner = unpack(arrived)
+  others = local_fwd(q, *partner[:2], q_seg, q_pos, *partner[2:])
+  out, lse = _merge(own[0].astype(jnp.float32), own[1], *others)
+  return out.astype(q.dtype), lse, partner if keeps_gathered(placement) else ()
+
+
+def _partner_bwd(local_bwd, axis, cp_size, kept, *args):
+  """placed_bwd with trades_with_partner: the part against the partner's keys first, its dK/dV
+  sent back while the part against the rank's own keys runs, and summed into that part's on
+  arrival; without kept K/V the own part runs under the trade of K/V instead."""
+  q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos = args
+  trade = lambda m: _trade(axis, cp_size, m)
+
+  def others(kp, vp, seg_p, pos_p):
+    dq, dkp, dvp = local_bwd(q, kp, vp, out, lse, dout, dlse, q_seg, q_pos, seg_p, pos_p)
+    return (dq, *_pack((dkp, dvp), as_bits=False))
+
+  if kept:
+    dq, moved, unpack = others(*kept)
+    own, arrived = _overlapped(trade, moved, local_bwd, args)
+  else:
+    moved, unpack_kv = _pack((k, v, kv_seg, kv_pos))
+    own, arrived = _overlapped(trade, moved, local_bwd, args)
+    dq, moved, unpack = others(*unpack_kv(arrived))
+    arrived = trade(moved)
+  add = lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
+  return (add(own[0], dq), *(add(x, y) for x, y in zip(own[1:], unpack(arrived))))
+
+
+def _heads(q, k, heads):
+  """(query heads, key/value heads) of the whole problem: `heads`, or the shard's own."""
+  return heads if heads is not None else (q.shape[2], k.shape[2])
+
+
+def placed_fwd(placement, local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_seg, kv_pos, heads=None):
   """Local queries against local keys (no communication); shared queries against the shared
   keys of every rank (of the rank's group), the only exchange, in flight while the local kernel
   runs. Two independent problems: no merge. A shard with no local part (everything shared) runs
@@ -367,6 +442,8 @@ def placed_fwd(placement, local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_se
   run_local = lambda *a: local_fwd(*(x[:, :c] for x in a))
   if not r:
     return (*run_local(*args), ())
+  if trades_with_partner(placement, cp_size, q.shape[1], *_heads(q, k, heads)):
+    return _partner_fwd(placement, local_fwd, axis, cp_size, *args)
   if not c and not _own_keys_first(c, q, k):
     gathered = _sorted_keys(_gather(axis, (k, v, kv_seg, kv_pos), _axis_groups(placement)), r)
     out = local_fwd(q, *gathered[:2], q_seg, q_pos, *gathered[2:])
@@ -385,7 +462,7 @@ def placed_fwd(placement, local_fwd, axis, cp_size, q, k, v, q_seg, q_pos, kv_se
 
 
 def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos,
-               kept=()):
+               kept=(), heads=None):
   """Gradients of placed_fwd; only the shared keys' dK/dV are summed over the ranks.
 
   With the forward's gathered shared K/V (kept), the shared part runs first and its dK/dV
@@ -416,6 +493,8 @@ def placed_bwd(placement, local_bwd, axis, cp_size, q, k, v, out, lse, dout, dls
   args = (*per_query, k, v, kv_seg, kv_pos)
   if not r:
     return run_local(*args)
+  if trades_with_partner(placement, cp_size, n, *_heads(q, k, heads)):
+    return _partner_bwd(local_bwd, axis, cp_size, kept, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos)
   if _own_keys_first(c, q, k):  # everything shared: the rank's own shared keys under the exchange
     return _all_shared_bwd(placement, local_bwd, axis, cp_size, kept, q, k, v, out, lse, dout, dlse, q_seg, q_pos,
                            kv_seg, kv_pos)
@@ -498,18 +577,19 @@ def _sum_scatter(axis, ranks, xs, groups=None):
 # ---------------------------------------------------------------- dispatch
 
 
-def cp_fwd(strategy, local_fwd, axis, cp_size, *args):
-  """(out, lse, kept): kept as placed_fwd's, () for the other strategies."""
+def cp_fwd(strategy, local_fwd, axis, cp_size, *args, heads=None):
+  """(out, lse, kept): kept as placed_fwd's, () for the other strategies. heads: (query heads,
+  key/value heads) of the whole problem where the shards' differ (trades_with_partner)."""
   if isinstance(strategy, DocumentPlacement):
-    return placed_fwd(strategy, local_fwd, axis, cp_size, *args)
+    return placed_fwd(strategy, local_fwd, axis, cp_size, *args, heads=heads)
   if strategy == "ring":
     return (*ring_fwd(local_fwd, axis, cp_size, *args), ())
   return (*all_gather_fwd(local_fwd, axis, *args), ())
 
 
-def cp_bwd(strategy, local_bwd, axis, cp_size, *args, kept=()):
+def cp_bwd(strategy, local_bwd, axis, cp_size, *args, kept=(), heads=None):
   if isinstance(strategy, DocumentPlacement):
-    return placed_bwd(strategy, local_bwd, axis, cp_size, *args, kept=kept)
+    return placed_bwd(strategy, local_bwd, axis, cp_size, *args, kept=kept, heads=heads)
   if strategy == "ring":
     return ring_bwd(local_bwd, axis, cp_size, *args)
   return all_gather_bwd(local_bwd, axis, cp_size, *args)

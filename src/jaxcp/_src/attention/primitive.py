@@ -130,12 +130,13 @@ def _fwd_public_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, *, config):
   """(out, lse), then, for a DocumentPlacement that keeps what its forward gathered
   (context_parallel.keeps_gathered), the gathered shared K, V, segment ids and positions: the
   same on every rank (replicated over the context-parallel axis), or with grouped shared regions
-  each rank's own block (sharded over it)."""
+  (or a partner's block: context_parallel.trades_with_partner) each rank's own (sharded over it)."""
   outs = _fwd_abstract(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config=config)
   if not keeps_gathered(config.context_parallel):
     return outs
-  kg, vg, seg_g, pos_g = gathered_shapes(config.context_parallel, k, v)
-  seq = 1 if kept_per_rank(config.context_parallel) else None  # sharded like the keys, or replicated
+  kg, vg, seg_g, pos_g = gathered_shapes(config.context_parallel, q, k, v)
+  # sharded like the keys, or replicated
+  seq = 1 if kept_per_rank(config.context_parallel, k.shape[1], q.shape[2], k.shape[2]) else None
   return outs + (compat.derived_aval(k, kg, k.dtype, (0, seq, 2, 3)),
                  compat.derived_aval(v, vg, v.dtype, (0, seq, 2, 3)),
                  compat.derived_aval(kv_seg, seg_g, kv_seg.dtype, (0, seq)),

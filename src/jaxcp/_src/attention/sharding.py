@@ -127,12 +127,13 @@ def _bwd_shardings(layout, keep):
   return args, (layout.q4(), layout.kv4(), layout.kv4())
 
 
-def _keeps(config):
-  """False, True (the kept arrays replicated over the CP axis) or "per_rank" (sharded over it)."""
+def _keeps(config, q, k):
+  """False, True (the kept arrays replicated over the CP axis) or "per_rank" (sharded over it), for
+  the whole problem's q and k (shapes)."""
   strategy = config.context_parallel
   if not context_parallel.keeps_gathered(strategy):
     return False
-  return "per_rank" if context_parallel.kept_per_rank(strategy) else True
+  return "per_rank" if context_parallel.kept_per_rank(strategy, k.shape[1], q.shape[2], k.shape[2]) else True
 
 
 def _with_head(x, h, like_heads):
@@ -153,23 +154,25 @@ def _named(mesh, specs):
 def _fwd_unpartitioned(config, q, k, v, q_seg, q_pos, kv_seg, kv_pos):
   """The forward on whole arrays: (out, lse), and what a placement keeps, taken from the row."""
   out, lse = fwd_kernel(q, k, v, q_seg, q_pos, kv_seg, kv_pos, config)
-  if not _keeps(config):
+  if not _keeps(config, q, k):
     return out, lse
-  return (out, lse, *context_parallel.shared_of_row(config.context_parallel, k, v, kv_seg, kv_pos))
+  heads = (q.shape[2], k.shape[2])
+  return (out, lse, *context_parallel.shared_of_row(config.context_parallel, heads, k, v, kv_seg, kv_pos))
 
 
 def _fwd_infer(config, mesh, arg_shapes, result_shape):
   layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
-  return _named(mesh, _fwd_shardings(layout, _keeps(config))[1])
+  return _named(mesh, _fwd_shardings(layout, _keeps(config, *arg_shapes[:2]))[1])
 
 
 def _fwd_partition(config, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   layout = choose_layout(mesh, q, k)
-  keep = _keeps(config)
+  keep = _keeps(config, q, k)
   arg_specs, out_specs = _fwd_shardings(layout, keep)
   head_index = _kv_head_slicer(layout, q.shape[2], mesh_axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
+  heads = (q.shape[2], k.shape[2])  # the whole problem's (the kept arrays' shapes follow them)
   local = lambda *a: fwd_kernel(*a, config)
 
   def lower(q, k, v, q_seg, q_pos, kv_seg, kv_pos):
@@ -178,11 +181,12 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
       h = head_index(k.shape[2])
       k, v = (jax.lax.dynamic_slice_in_dim(x, h, 1, axis=2) for x in (k, v))
     if plan is None:
-      kept = context_parallel.shared_of_row(config.context_parallel, k_all, v_all, kv_seg, kv_pos) if keep else ()
+      kept = (context_parallel.shared_of_row(config.context_parallel, heads, k_all, v_all, kv_seg, kv_pos)
+              if keep else ())
       return (*local(q, k, v, q_seg, q_pos, kv_seg, kv_pos), *kept)
     strategy, cp_size = plan
     out, lse, kept = context_parallel.cp_fwd(strategy, local, layout.kv_seq, cp_size,
-                                             q, k, v, q_seg, q_pos, kv_seg, kv_pos)
+                                             q, k, v, q_seg, q_pos, kv_seg, kv_pos, heads=heads)
     if kept and head_index is not None:
       kept = (_with_head(kept[0], h, k_all.shape[2]), _with_head(kept[1], h, v_all.shape[2]), *kept[2:])
     return (out, lse, *kept)
@@ -193,21 +197,23 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
 _KEPT_FACTORS = ", b u g d, b u g e, b u, b u"  # u: the gathered shared tokens
 
 
-def _rule(config, rule, kv_len):
+def _rule(config, rule, q, k):
   """A sharding rule string (t: the key tokens) with the kept arrays' factors after each `{kept}`,
   and its factor sizes. Kept per rank, the key tokens are (c x), c the CP ranks, and the kept ones
   (c u): sharding the keys over the CP axis shards the kept blocks over it too."""
-  keep = _keeps(config)
+  keep = _keeps(config, q, k)
   if keep != "per_rank":
     return rule.replace("{kept}", _KEPT_FACTORS if keep else "")
   cp = config.context_parallel.cp_size
   rule = rule.replace("{kept}", _KEPT_FACTORS.replace(" u", " (c u)")).replace(" t", " (c x)")
-  return rule, dict(c=cp, x=kv_len // cp, u=context_parallel.gathered_tokens(config.context_parallel) // cp)
+  kv_len = k.shape[1]
+  return rule, dict(c=cp, x=kv_len // cp,
+                    u=context_parallel.gathered_tokens(config.context_parallel, kv_len, q.shape[2], k.shape[2]) // cp)
 
 
 def _fwd_rule(config, mesh, value_types, result_types):
   rule = "b s h d, b t g d, b t g e, b s, b s, b t, b t -> b s h e, b h s{kept}"  # e: V's head dim
-  return _rule(config, rule, value_types[1].shape[1])
+  return _rule(config, rule, *value_types[:2])
 
 
 # ---------------------------------------------------------------- backward
@@ -220,22 +226,23 @@ def _bwd_unpartitioned(config, *args):
 
 def _bwd_infer(config, mesh, arg_shapes, result_shape):
   layout = choose_layout(mesh, arg_shapes[0], arg_shapes[1])
-  return _named(mesh, _bwd_shardings(layout, _keeps(config))[1])
+  return _named(mesh, _bwd_shardings(layout, _keeps(config, *arg_shapes[:2]))[1])
 
 
 def _bwd_partition(config, mesh, arg_shapes, result_shape):
   q, k = arg_shapes[0], arg_shapes[1]
   layout = choose_layout(mesh, q, k)
-  arg_specs, out_specs = _bwd_shardings(layout, _keeps(config))
+  arg_specs, out_specs = _bwd_shardings(layout, _keeps(config, q, k))
   head_index = _kv_head_slicer(layout, q.shape[2], mesh_axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
+  heads = (q.shape[2], k.shape[2])  # the whole problem's (the kept arrays' shapes follow them)
   local = lambda *a: bwd_kernel(*a, config)
 
   def grads(q, k, v, *rest, kept=()):
     if plan is None:
       return local(q, k, v, *rest)
     strategy, cp_size = plan
-    return context_parallel.cp_bwd(strategy, local, layout.kv_seq, cp_size, q, k, v, *rest, kept=kept)
+    return context_parallel.cp_bwd(strategy, local, layout.kv_seq, cp_size, q, k, v, *rest, kept=kept, heads=heads)
 
   def lower(q, k, v, *rest):
     rest, kept = rest[:_BWD_ARGS - 3], rest[_BWD_ARGS - 3:]
@@ -258,7 +265,7 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
 
 def _bwd_rule(config, mesh, value_types, result_types):
   rule = "b s h d, b t g d, b t g e, b s h e, b h s, b s h e, b h s, b s, b s, b t, b t{kept} -> b s h d, b t g d, b t g e"
-  return _rule(config, rule, value_types[1].shape[1])
+  return _rule(config, rule, *value_types[:2])
 
 
 # ---------------------------------------------------------------- wiring
