@@ -693,13 +693,17 @@ def _one_key_case(rng, layout, b, hq, hkv, d, dtype):
   return q, k, v, (*ragged_rows(jnp.asarray(cu), t), mask)
 
 
+@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("layout", ["padded", "ragged"])
 @pytest.mark.parametrize("hq,hkv,dtype", [(8, 8, jnp.bfloat16), (4, 2, jnp.float32), (8, 2, jnp.float16),
                                           (4, 1, jnp.bfloat16)])
-def test_one_key_path_matches_the_reference(layout, hq, hkv, dtype):
+def test_one_key_path_matches_the_reference(monkeypatch, layout, hq, hkv, dtype, pairs):
   """The one-key path (implementation=None on a GPU for rows of one key): the reference's output
   and gradients (dQ = dK = 0, dV = dO over the group) for lengths in and out of range and keys
-  the mask forbids; ragged rows also under jit and vmap."""
+  the mask forbids, also under jit and vmap; with 16-bit rows moved as 32-bit pairs (as from
+  PAIRS_MIN_ROWS rows) or as they are."""
+  if pairs:
+    monkeypatch.setattr(one_key, "PAIRS_MIN_ROWS", 1)
   rng = np.random.default_rng(11)
   b, d = 64, 32
   q, k, v, index = _one_key_case(rng, layout, b, hq, hkv, d, dtype)
@@ -716,12 +720,30 @@ def test_one_key_path_matches_the_reference(layout, hq, hkv, dtype):
   assert np.asarray(grads[2], np.float32).any()
   for g, w in zip(grads, want_vjp(dout)):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
-  if layout == "ragged":
-    batched = jax.jit(jax.vmap(jax.grad(lambda v, i: one_key_attention(q, k, v, i, config).astype(
-        jnp.float32).sum()), in_axes=(0, None)))(jnp.stack([v, 2 * v]), index)
-    single = jax.grad(lambda v: small_seq_reference(q, k, v, index, config)[0].astype(jnp.float32).sum())(v)
-    for g in batched:
-      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(single, np.float32), rtol=1e-2, atol=1e-2)
+  batched = jax.jit(jax.vmap(jax.grad(lambda v, i: one_key_attention(q, k, v, i, config).astype(
+      jnp.float32).sum()), in_axes=(0, None)))(jnp.stack([v, 2 * v]), index)
+  single = jax.grad(lambda v: small_seq_reference(q, k, v, index, config)[0].astype(jnp.float32).sum())(v)
+  for g in batched:
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(single, np.float32), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+@pytest.mark.parametrize("dtype,d,pairs", [(jnp.bfloat16, 32, True), (jnp.float16, 8, True), (jnp.bfloat16, 7, False),
+                                           (jnp.float32, 32, False)])
+def test_one_key_path_moves_16_bit_rows_as_pairs(monkeypatch, layout, dtype, d, pairs):
+  """From PAIRS_MIN_ROWS rows, 16-bit rows of even D are gathered and broadcast as uint32 pairs,
+  forward and backward (XLA moves them at 60-90% of a copy's bandwidth, pairs at 92-113% on an
+  H200); other rows, and fewer rows, as they are. Values stay bit for bit
+  (test_one_key_path_matches_the_reference)."""
+  rng = np.random.default_rng(2)
+  q, k, v, index = _one_key_case(rng, layout, 16, 4, 1, d, dtype)
+  config = SmallSeqConfig(d ** -0.5, 1, layout == "ragged")
+  loss = lambda v: one_key_attention(q, k, v, index, config).astype(jnp.float32).sum()
+  casts = lambda: re.findall(r"stablehlo\.bitcast_convert .*-> tensor<[^>]*xui32>",
+                             jax.jit(jax.value_and_grad(loss)).lower(v).as_text())
+  assert not casts()  # 16 rows
+  monkeypatch.setattr(one_key, "PAIRS_MIN_ROWS", 16)
+  assert (len(casts()) >= (2 if layout == "ragged" else 1)) == pairs, casts()
 
 
 def test_one_key_ragged_backward_scatters_no_floats():
