@@ -246,6 +246,22 @@ def test_placement_with_gqa_heads_sharded(cpu_devices, tp, cp):
   _check(got, jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
 
 
+def test_traded_pair_with_kv_heads_sliced(cpu_devices):
+  """4 / 2 heads over tp = 4, everything shared over cp = 2: each shard's one query head slices
+  its kv head out of replicated K/V, trades that head's block with its partner (the kept block is
+  declared with every kv head) and reads the head back in the backward."""
+  placement, arrays = _placed(2, sizes=(S // 2,))
+  assert placement.shared_tokens == S // 2
+  mesh = _mesh(1, 4, 2)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
+  kv = NamedSharding(mesh, P("dp", "cp", None, None))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, kv, kv, s4, s2, s2))]
+  f = jax.jit(_fwd_bwd(placement, MASKS["causal"]))
+  shapes, _ = placement_trades(f.lower(*args).compile().as_text())
+  assert sorted(shapes) == sorted([[B, S // 2, 2 * D + 2], [B, S // 2, 2 * D]]), shapes
+  _check(f(*args), jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
+
+
 def test_placement_without_its_ranks_gathers_again(cpu_devices):
   """A DocumentPlacement that does not name its ranks keeps memory O(S / cp): the backward
   gathers the shared K/V again instead of keeping the forward's."""
