@@ -22,7 +22,8 @@ from .reference import with_defaults
 # XLA moves these rows of 16-bit values at 60-90% of a copy's bandwidth, and as 32-bit pairs at
 # 92-113% (H200, B = 262144-1048576: broadcast to a group of 4 heads 63% -> 111%, gathers of one
 # head 87-90% -> 107-113%). So the gathers and broadcasts below move bitcast pairs, from this many
-# rows: at B = 16384 (a few microseconds a call) the pairs measured no faster.
+# rows: at B = 16384 (a few microseconds a call, timings that move between runs) they were not
+# measured faster.
 PAIRS_MIN_ROWS = 65536
 
 
