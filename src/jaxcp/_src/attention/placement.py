@@ -93,7 +93,8 @@ class DocumentPlacement:
       (ranks j * g to j * g + g - 1), g dividing cp_size (which it needs); the shared region's
       gather and its dK/dV exchange then run within each group, (g - 1) * R tokens received per
       rank instead of (cp - 1) * R; what the forward keeps for the backward is its group's
-      g * R gathered tokens. None: all cp ranks.
+      g * R gathered tokens (in a pair whose shards are all shared, with at most 2 query heads
+      a key head, the partner's R: the two ranks trade their regions). None: all cp ranks.
   """
   shared_tokens: int
   token_cost: float = DEFAULT_TOKEN_COST
