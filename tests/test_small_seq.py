@@ -380,14 +380,17 @@ def test_sharded_padded(cpu_devices, mesh_shape, hq, hkv, with_lengths):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("layout,mesh_shape", [("padded", (2, 4)), ("padded", (8, 1)), ("ragged", (1, 8))])
-def test_sharded_one_key_path(cpu_devices, layout, mesh_shape):
+def test_sharded_one_key_path(cpu_devices, monkeypatch, layout, mesh_shape, dtype):
   """The one-key path (pure JAX, what a GPU runs for rows of one key) sharded like the kernels:
-  batch (padded) and heads with no collective, values and gradients equal to the unsharded call."""
+  batch (padded) and heads with no collective, values and gradients equal to the unsharded call;
+  bfloat16 rows moved as 32-bit pairs (one_key.PAIRS_MIN_ROWS lowered to these 16 rows)."""
+  monkeypatch.setattr(one_key, "PAIRS_MIN_ROWS", 16)
   rng = np.random.default_rng(12)
   b, hq, hkv, d = 16, 16, 8, 8
-  q, k, v, index = _one_key_case(rng, layout, b, hq, hkv, d, jnp.float32)
-  dout = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
+  q, k, v, index = _one_key_case(rng, layout, b, hq, hkv, d, dtype)
+  dout = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
   config = SmallSeqConfig(d ** -0.5, 1, layout == "ragged")
 
   def f(q, k, v, dout, index):
