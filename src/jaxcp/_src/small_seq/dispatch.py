@@ -19,9 +19,10 @@ sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
   - larger groups: mma (cuda_core for backward groups over 16).
 `prefer_one_key_path`: rows of one key (padded or ragged, any group) take the pure-JAX one-key
 path (one_key.py: V where the key is allowed, without reading Q or K; the ragged backward gathers
-dO through a token -> row map instead of scatter-adding). Measured in the sweep of 2026-11-28 (2 x
-H200, all 104 points of one key): at B >= 262144 0.99-1.91x XLA forward and 1.25-3.03x
-forward+backward. The day before, what ran there instead: the generic pure-JAX program
+dO through a token -> row map instead of scatter-adding; from one_key.PAIRS_MIN_ROWS rows it moves
+16-bit rows as 32-bit pairs). Measured on all 104 points of one key (4 x H200, 2026-11-28 16:46
+UTC, benchmarks/results/small_seq_one_key_h200.md): at B >= 262144 1.57-2.88x XLA forward and
+1.34-5.16x forward+backward. The day before, what ran there instead: the generic pure-JAX program
 0.95-1.03x both ways (padded, groups of 1-2), the lane-group kernels 0.71-1.17x forward+backward
 (ragged, groups of 1-2), the kernels 1.15-1.43x / 1.47-2.15x (groups of 4).
 """
