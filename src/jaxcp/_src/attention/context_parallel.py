@@ -379,6 +379,11 @@ def _own_keys_first(c, q, k) -> bool:
   return not c and q.shape[2] <= OWN_KEYS_FIRST_MAX_GROUP * k.shape[2]
 
 
+def _add32(a, b):
+  """a + b summed in float32, in a's dtype (partial gradients of two calls)."""
+  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
+
+
 def _partner_perm(cp_size: int):
   """Each rank with the other of its pair (groups are consecutive ranks)."""
   return [(j, j ^ 1) for j in range(cp_size)]
@@ -420,8 +425,7 @@ def _partner_bwd(local_bwd, axis, cp_size, kept, *args):
     own, arrived = _overlapped(trade, moved, local_bwd, args)
     dq, moved, unpack = others(*unpack_kv(arrived))
     arrived = trade(moved)
-  add = lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
-  return (add(own[0], dq), *(add(x, y) for x, y in zip(own[1:], unpack(arrived))))
+  return (_add32(own[0], dq), *(_add32(x, y) for x, y in zip(own[1:], unpack(arrived))))
 
 
 def _heads(q, k, heads):
@@ -542,7 +546,7 @@ def _all_shared_bwd(placement, local_bwd, axis, cp_size, kept, *args):
     dq, dkg, dvg = others(*gathered)
     blocks, finish = _scatter_parts(placement.group_size(cp_size), (dkg, dvg))
     arrived = exchange(blocks)
-  dq = (dq.astype(jnp.float32) + own[0].astype(jnp.float32)).astype(dq.dtype)
+  dq = _add32(dq, own[0])
   return (dq, *finish(arrived, own[1:]))
 
 

@@ -53,6 +53,12 @@ def _group_broadcast(rows, hq: int):
   return jnp.broadcast_to(rows[:, :, None, :], (b, hkv, hq // hkv, w)).reshape(b, hq, w)
 
 
+def _spread(rows, allowed, hq: int, like):
+  """rows [B, Hkv, W] (pairs or not) where allowed, repeated for each group's query heads, in
+  the dtype of `like`."""
+  return _from_pairs(_group_broadcast(_rows_where(allowed, rows), hq), like)
+
+
 def _group_sum(dout, hkv: int):
   """[B, Hq, D] -> [B, Hkv, D]: the sum over each group's query heads, in float32."""
   b, hq, d = dout.shape
@@ -63,7 +69,7 @@ def _group_sum(dout, hkv: int):
 def _broadcast_rows(rows, allowed, hq: int, pairs: bool):
   """out [B, Hq, D]: rows [B, Hkv, D] for each query head of the group where allowed, else 0
   (moved as 32-bit pairs, which autodiff cannot see through: hence the custom VJP)."""
-  return _from_pairs(_group_broadcast(_rows_where(allowed, _as_pairs(rows, pairs)), hq), rows)
+  return _spread(_as_pairs(rows, pairs), allowed, hq, rows)
 
 
 def _broadcast_rows_fwd(rows, allowed, hq, pairs):
@@ -90,7 +96,7 @@ def _ragged_first_tokens(index, batch: int, tokens: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gather_first_tokens(v, first, allowed, hq: int, pairs: bool):
   """out [B, Hq, D]: v[first[b]] for each query head of the group where allowed, else 0."""
-  return _from_pairs(_group_broadcast(_rows_where(allowed, _as_pairs(v, pairs)[first]), hq), v)
+  return _spread(_as_pairs(v, pairs)[first], allowed, hq, v)
 
 
 def _gather_first_tokens_fwd(v, first, allowed, hq, pairs):
