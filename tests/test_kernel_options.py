@@ -38,7 +38,9 @@ def test_small_seq_auto_is_resolved_per_shape():
   with pytest.raises(ValueError, match="auto"):
     SmallSeqKernelOptions().ffi_attrs()
   assert dispatch.resolve(SmallSeqKernelOptions(), 1, 128, 8) == SmallSeqKernelOptions("lanes", "lanes")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 1, 128, 16) == SmallSeqKernelOptions("mma", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 2, 64, 12) == SmallSeqKernelOptions("lanes", "lanes")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 1, 128, 13) == SmallSeqKernelOptions("mma", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 1, 512, 12) == SmallSeqKernelOptions("mma", "mma")
   assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 4) == SmallSeqKernelOptions("lanes", "mma")
   assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 16) == SmallSeqKernelOptions("mma", "mma")
   assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 4).bwd == "cuda_core"

@@ -70,7 +70,9 @@ def _check(dtype, q, k, v, index, config, valid):
     (jnp.float16, 64, 1, 2, 2, 500),
     (jnp.bfloat16, 128, 3, 64, 2, 200),    # group 32: two head tiles
     (jnp.float16, 256, 16, 40, 2, 100),    # group 20: a partial second head tile
-    (jnp.bfloat16, 64, 12, 4, 2, 1000),    # lanes: group 2, 12 keys in its 16-token registers
+    (jnp.bfloat16, 64, 12, 4, 2, 1000),    # lanes: group 2, 12 keys in its 12-token registers
+    (jnp.float16, 128, 10, 3, 3, 999),     # lanes: 10 keys in its 12-token registers
+    (jnp.bfloat16, 64, 14, 2, 1, 700),     # lanes: group 2, 14 keys in its 16-token registers
     (jnp.float16, 512, 8, 2, 2, 300),      # lanes: D 512 (two chunks per lane), 8 keys
     (jnp.bfloat16, 256, 2, 1, 1, 1000),    # lanes: one head, one lane group per warp
     (jnp.bfloat16, 128, 7, 3, 3, 999),     # lanes: two tasks per warp, the last warp half empty

@@ -1,5 +1,5 @@
 // Small-seq forward on lane groups (lanes.cuh): float32 math on the CUDA cores, K/V in registers.
-// NT (2, 4, 8 or 16, >= max_len) sizes the register arrays; tokens the row does not attend are
+// NT (2, 4, 8, 12 or 16, >= max_len) sizes the register arrays; tokens the row does not attend are
 // neither loaded nor counted. Per query head of the group (its Q row prefetched during the
 // previous head): scores, a softmax every lane of the group computes redundantly, the
 // probabilities written by lane j mod L, then O = P V.

@@ -137,9 +137,10 @@ Params make_params(const SmallSeqArgs& a) {
 
 // ---------------------------------------------------------------- lane-group kernels
 
-// The register arrays of a lane-group kernel hold NT >= max_len tokens: 2, 4, 8 or 16.
+// The register arrays of a lane-group kernel hold NT >= max_len tokens: 2, 4, 8, 12 or 16 (its
+// time follows NT more than the tokens the rows attend).
 int lanes_tokens(int64_t max_len) {
-  return max_len <= 2 ? 2 : max_len <= 4 ? 4 : max_len <= 8 ? 8 : 16;
+  return max_len <= 2 ? 2 : max_len <= 4 ? 4 : max_len <= 8 ? 8 : max_len <= 12 ? 12 : 16;
 }
 
 // Whether the lane-group kernels hold a task's K/V in registers: 2 x NT x D/8/L chunks of 16
@@ -155,6 +156,7 @@ cudaError_t with_tokens(int64_t max_len, F&& f) {
     case 2: return f(std::integral_constant<int, 2>{});
     case 4: return f(std::integral_constant<int, 4>{});
     case 8: return f(std::integral_constant<int, 8>{});
+    case 12: return f(std::integral_constant<int, 12>{});
     default: return f(std::integral_constant<int, 16>{});
   }
 }

@@ -4,7 +4,7 @@ and reaches the CUDA handler as the FFI attribute ``kernel`` (visible in the HLO
 
 Families (ffi/cuda/small_seq/launch.cu):
   lanes     : D/8 lanes per (row, key/value head), K/V in registers, float32 math. Its registers
-              hold 2 x NT x D/8/L chunks (NT = max_len rounded up to 2, 4, 8, 16; L = min(32,
+              hold 2 x NT x D/8/L chunks (NT = max_len rounded up to 2, 4, 8, 12, 16; L = min(32,
               D/8) lanes), so D = 512 only up to 8 keys; the backward also holds the group's P
               and dS: groups of 1 or 2 query heads.
   mma       : one warp per (row, key/value head), math on tensor cores; backward groups <= 16.
@@ -12,8 +12,11 @@ Families (ffi/cuda/small_seq/launch.cu):
 Rule (measured on 4 x H200, 2026-11-27: benchmarks/README.md, small-sequence attention, "Shape
 sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
   - groups of 1-2 heads: lanes 0.3-0.9x mma up to 8 keys (the fewer keys and the smaller D, the
-    larger its lead); from 12 keys mma ties or wins (up to 1.36x at D 256) -> lanes up to 8 keys,
-    mma above (forward and backward);
+    larger its lead). 9-12 keys run in lanes' 12-token registers (2 x H200, 2026-11-28, B 16384
+    and 262144, Skv 12, padded and ragged): D 64 0.69-0.75x mma forward and 0.70-0.90x backward
+    with 4-32 heads (0.75-0.95x / 0.74-0.99x with one), D 128 0.94-1.05x / 0.91-1.02x, D 256
+    0.94-1.00x / 0.90-0.98x; at 16 keys mma ties or wins (up to 1.36x at D 256) -> lanes up to 12
+    keys, mma above (forward and backward);
   - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
     otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128;
   - larger groups: mma (cuda_core for backward groups over 16).
@@ -33,7 +36,7 @@ import dataclasses
 from ..kernel_options import SmallSeqKernelOptions
 
 LANES_MAX_GROUP = 2  # the lane-group backward's register arrays hold 1 or 2 heads' P and dS
-LANES_MAX_LEN = 8  # above this many keys mma ties or wins
+LANES_MAX_LEN = 12  # above this many keys (its 16-token registers) mma ties or wins
 LANES_GQA_MAX_GROUP, LANES_GQA_MAX_LEN, LANES_GQA_MAX_DIM = 4, 4, 128  # lanes forward for GQA
 MMA_BWD_MAX_GROUP = 16  # the tensor-core backward keeps the dS of at most 16 heads in registers
 
