@@ -1,6 +1,6 @@
 """Small-sequence attention calls for compute-sanitizer: lengths out of range (clamped) or absent, ragged
 cu_seqlens past the end, GQA, head dims 64-512, forward and gradients; the tensor-core kernels
-(11 keys, groups of 3-4) and the lane-group kernels (5 and 8 keys, groups of 1-2)."""
+(11 keys, groups of 3-4) and the lane-group kernels (5, 8 and 11 keys, groups of 1-2)."""
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -17,7 +17,7 @@ def grads(f, q, k, v):
   return jax.block_until_ready((out,) + pull(jnp.ones_like(out)))
 b, s = 3000, 11
 lengths = jnp.asarray(rng.integers(-3, s + 4, b), jnp.int32)  # out of range: clamped
-for hq, hkv, d in ((8, 2, 128), (6, 2, 256), (4, 4, 512)):
+for hq, hkv, d in ((8, 2, 128), (6, 2, 256), (4, 4, 512), (4, 4, 64), (2, 1, 128)):  # last two: lane groups
   grads(lambda q, k, v: small_seq_attention(q, k, v, kv_lengths=lengths),
         r(b, hq, d), r(b, s, hkv, d), r(b, s, hkv, d))
 lengths5 = jnp.asarray(rng.integers(-3, 9, b), jnp.int32)
