@@ -13,7 +13,7 @@ Rule (measured on 4 x H200, 2026-11-27: benchmarks/README.md, small-sequence att
 sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
   - groups of 1-2 heads: lanes 0.3-0.9x mma up to 8 keys (the fewer keys and the smaller D, the
     larger its lead). 9-12 keys run in lanes' 12-token registers (2 x H200, 2026-11-28, B 16384
-    and 262144, Skv 12, padded and ragged): D 64 0.69-0.75x mma forward and 0.70-0.90x backward
+    and 262144, Skv 12, padded and ragged): D 64 0.69-0.74x mma forward and 0.70-0.90x backward
     with 4-32 heads (0.75-0.95x / 0.74-0.99x with one), D 128 0.94-1.05x / 0.91-1.02x, D 256
     0.94-1.00x / 0.90-0.98x; at 16 keys mma ties or wins (up to 1.36x at D 256) -> lanes up to 12
     keys, mma above (forward and backward);
