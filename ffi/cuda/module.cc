@@ -36,6 +36,8 @@ NB_MODULE(_jaxcp_cuda, m) {
     nb::dict d;
     d["jaxcp_attention_fwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_fwd));
     d["jaxcp_attention_bwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_bwd));
+    d["jaxcp_attention_bwd_begin"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_bwd_begin));
+    d["jaxcp_attention_bwd_end"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_bwd_end));
     d["jaxcp_attention_fwd_plan"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_fwd_plan));
     d["jaxcp_attention_bwd_plan"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_attention_bwd_plan));
     d["jaxcp_small_seq_fwd"] = nb::capsule(reinterpret_cast<void*>(jaxcp_cuda_small_seq_fwd));
@@ -108,6 +110,17 @@ NB_MODULE(_jaxcp_cuda, m) {
       nb::arg("b"), nb::arg("sq"), nb::arg("skv"), nb::arg("hq"), nb::arg("hkv"), nb::arg("d"), nb::arg("causal"),
       nb::arg("window_left"), nb::arg("window_right"), nb::arg("chunk_size"), nb::arg("sm80_only"),
       nb::arg("fwd_fixed_tiles"));
+  // Whether the backward can run as two chained calls (launchers.h, BwdPhase) for these arguments.
+  m.def(
+      "attention_bwd_chains",
+      [](int64_t b, int64_t sq, int64_t skv, int64_t hq, int64_t hkv, int64_t d, bool causal, int64_t wl, int64_t wr,
+         int64_t chunk, bool deterministic, bool sm80_only, bool fwd_fixed_tiles) {
+        return skv > 0 && jaxcp::cuda::attention_bwd_chains(
+            args_of(b, sq, skv, hq, hkv, d, causal, wl, wr, chunk, deterministic, sm80_only, fwd_fixed_tiles));
+      },
+      nb::arg("b"), nb::arg("sq"), nb::arg("skv"), nb::arg("hq"), nb::arg("hkv"), nb::arg("d"), nb::arg("causal"),
+      nb::arg("window_left"), nb::arg("window_right"), nb::arg("chunk_size"), nb::arg("deterministic"),
+      nb::arg("sm80_only"), nb::arg("fwd_fixed_tiles"));
   m.def(
       "attention_bwd_workspace_bytes",
       [](int64_t b, int64_t sq, int64_t skv, int64_t hq, int64_t hkv, int64_t d, bool causal, int64_t wl, int64_t wr,

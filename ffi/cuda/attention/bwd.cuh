@@ -177,8 +177,10 @@ namespace jaxcp::cuda {
 // long for their heads).
 bool bwd_use_sm90(const AttentionArgs& args);
 // bwd_sm90.cu: the sm_90a kernel's launcher for head dim d and value head dim dv (dK, dV, and dQ
-// through p.dq_accum, converted into p.dq).
-cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, int64_t dv, cudaStream_t stream);
+// through p.dq_accum, converted into p.dq unless convert_dq is false: a first call of two that
+// share the accumulator, BwdPhase::kBegin).
+cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, int64_t dv, bool convert_dq,
+                            cudaStream_t stream);
 }  // namespace jaxcp::cuda
 
 namespace jaxcp::cuda::detail {

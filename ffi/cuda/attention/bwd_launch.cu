@@ -104,17 +104,17 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
 
 template <class Element, int D, int Dv = D>
 cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, const void* out,
-                    const float* dlse, cudaStream_t stream) {
+                    const float* dlse, BwdPhase phase, cudaStream_t stream) {
   const AttentionShape& s = a.shape;
   cudaError_t err;
   // delta = rowsum(dO * O) - dlse, the dQ accumulator's zeros, and for the sm_90a kernel lse2 and
-  // q_ids: one pass
+  // q_ids: one pass (a kEnd call finds them in its workspace, the kBegin call's)
   const BwdPrepArgs prep{out, p.dout, dlse, p.lse, plan.sm90 ? const_cast<float*>(p.lse2) : nullptr,
                          const_cast<float*>(p.delta), plan.sm80_dq ? nullptr : p.dq_accum, p.q_seg, p.q_pos,
                          plan.sm90 ? const_cast<ColMask*>(p.q_ids) : nullptr, s.q_len,
                          plan.sm90 ? plan.sq_pad : s.q_len, p.Hq, 0};
-  if ((err = launch_bwd_prep<Element, D, Dv>(prep, s.batch, stream))) return err;
-  if (plan.ordered_dq) {
+  if (phase != BwdPhase::kEnd && (err = launch_bwd_prep<Element, D, Dv>(prep, s.batch, stream))) return err;
+  if (plan.ordered_dq) {  // the turns of this call's key tiles
     if ((err = cudaMemsetAsync(p.dq_sem, 0, sizeof(int) * s.batch * s.q_heads * plan.nq, stream))) return err;
     if ((err = launch_dq_tickets(p, stream))) return err;
   }
@@ -124,7 +124,7 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
   if (p.nkv > 0) {
     if (plan.sm90) {
       err = launch_bwd_sm90(p, std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBF16 : DType::kF16, D, Dv,
-                            stream);
+                            phase != BwdPhase::kBegin, stream);
     } else if constexpr (sm80_head_dim(D) && Dv == D) {
       err = launch_bwd_dkdv<Element, D>(p, !plan.sm80_dq, stream);
     }
@@ -134,7 +134,7 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
     if constexpr (sm80_head_dim(D) && Dv == D) {
       if ((err = launch_bwd_dq<Element, D>(p, stream))) return err;
     }
-  } else if (!plan.sm90) {  // the sm_90a launcher converts its own dQ layout
+  } else if (!plan.sm90 && phase != BwdPhase::kBegin) {  // the sm_90a launcher converts its own dQ layout
     if ((err = launch_dq_convert<Element>(p, stream))) return err;
   }
   if (plan.splits > 1) return launch_split_reduce<Element>(p, stream);
@@ -143,19 +143,19 @@ cudaError_t run_bwd(const AttentionArgs& a, const BwdPlan& plan, BwdParams p, co
 
 template <class Element>
 cudaError_t dispatch_bwd(const AttentionArgs& a, const BwdPlan& plan, const BwdParams& p,
-                         const void* out, const float* dlse, cudaStream_t stream) {
+                         const void* out, const float* dlse, BwdPhase phase, cudaStream_t stream) {
   if (a.shape.v_dim() != a.shape.head_dim) {
     static_assert(sm90_value_head_dim(192, 128));
     if (sm90_value_head_dim(a.shape.head_dim, a.shape.v_dim()))
-      return run_bwd<Element, 192, 128>(a, plan, p, out, dlse, stream);
+      return run_bwd<Element, 192, 128>(a, plan, p, out, dlse, phase, stream);
     return cudaErrorInvalidValue;
   }
   switch (a.shape.head_dim) {
-    case 64: return run_bwd<Element, 64>(a, plan, p, out, dlse, stream);
-    case 96: return run_bwd<Element, 96>(a, plan, p, out, dlse, stream);
-    case 128: return run_bwd<Element, 128>(a, plan, p, out, dlse, stream);
-    case 192: return run_bwd<Element, 192>(a, plan, p, out, dlse, stream);
-    case 256: return run_bwd<Element, 256>(a, plan, p, out, dlse, stream);
+    case 64: return run_bwd<Element, 64>(a, plan, p, out, dlse, phase, stream);
+    case 96: return run_bwd<Element, 96>(a, plan, p, out, dlse, phase, stream);
+    case 128: return run_bwd<Element, 128>(a, plan, p, out, dlse, phase, stream);
+    case 192: return run_bwd<Element, 192>(a, plan, p, out, dlse, phase, stream);
+    case 256: return run_bwd<Element, 256>(a, plan, p, out, dlse, phase, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -177,6 +177,8 @@ bool bwd_use_sm90(const AttentionArgs& a) {
 }
 
 size_t attention_bwd_workspace_bytes(const AttentionArgs& a) { return detail::bwd_plan(a).bytes; }
+
+bool attention_bwd_chains(const AttentionArgs& a) { return bwd_use_sm90(a); }
 
 size_t attention_bwd_plan_bytes(const AttentionArgs& a) { return detail::bwd_plan(a).plan_bytes; }
 
@@ -255,10 +257,14 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
                           const void* v, const void* out, const float* lse, const void* dout,
                           const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
                           const int32_t* kv_pos, const void* plan_buffer, size_t plan_bytes, void* dq, void* dk,
-                          void* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                          void* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                          BwdPhase phase) {
   const AttentionShape& s = a.shape;
   const detail::BwdPlan plan = detail::bwd_plan(a);
   if (!detail::bwd_args_ok(a, plan)) return cudaErrorInvalidValue;
+  // attention_bwd_chains; a chained call has keys (kv_len > 0: one without could not pass the
+  // accumulator on, below)
+  if (phase != BwdPhase::kWhole && (!plan.sm90 || s.kv_len == 0)) return cudaErrorInvalidValue;
   const size_t elem = 2;
   const size_t q_bytes = elem * s.batch * s.q_len * s.q_heads * s.head_dim;
   const size_t k_bytes = elem * s.batch * s.kv_len * s.kv_heads * s.head_dim;
@@ -313,8 +319,8 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.q_order_dq = plan.sm80_dq ? reinterpret_cast<const int*>(plan_base + plan.q_order_dq) : nullptr;
   p.nkv_dq = static_cast<int>(plan.nkv_dq);
   return dtype == DType::kBF16
-             ? detail::dispatch_bwd<cutlass::bfloat16_t>(a, plan, p, out, dlse, stream)
-             : detail::dispatch_bwd<cutlass::half_t>(a, plan, p, out, dlse, stream);
+             ? detail::dispatch_bwd<cutlass::bfloat16_t>(a, plan, p, out, dlse, phase, stream)
+             : detail::dispatch_bwd<cutlass::half_t>(a, plan, p, out, dlse, phase, stream);
 }
 
 }  // namespace jaxcp::cuda

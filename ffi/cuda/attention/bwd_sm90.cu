@@ -640,7 +640,7 @@ __global__ void __launch_bounds__(256) bwd_sm90_dq_convert_kernel(const BwdParam
 }
 
 template <class KT>
-cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
+cudaError_t launch_bwd_sm90_impl(const BwdParams& p, bool convert_dq, cudaStream_t stream) {
   using Element = typename KT::Element;
   constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
   // An input (const void*) to load or an output (void*) to store, W wide.
@@ -679,6 +679,7 @@ cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
   if (blocks > INT_MAX) return cudaErrorInvalidValue;
   kernel<<<static_cast<unsigned>(blocks), KT::kThreads, KT::kSmemBytes, stream>>>(P);
   if ((err = cudaGetLastError())) return err;
+  if (!convert_dq) return cudaSuccess;
   const int64_t q_tiles = p.B * p.Hq * p.nq;
   if (q_tiles > INT_MAX) return cudaErrorInvalidValue;
   bwd_sm90_dq_convert_kernel<KT><<<static_cast<unsigned>(q_tiles), 256, 0, stream>>>(p);
@@ -686,27 +687,28 @@ cudaError_t launch_bwd_sm90_impl(const BwdParams& p, cudaStream_t stream) {
 }
 
 template <class Element>
-cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, int64_t dv, cudaStream_t stream) {
+cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, int64_t dv, bool convert_dq, cudaStream_t stream) {
   if (dv != d) {
     static_assert(sm90_value_head_dim(192, 128));
-    if (sm90_value_head_dim(d, dv)) return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 192, 128>>(p, stream);
+    if (sm90_value_head_dim(d, dv)) return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 192, 128>>(p, convert_dq, stream);
     return cudaErrorInvalidValue;
   }
   switch (d) {
-    case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64, 2>>(p, stream);
-    case 96: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 96, 2>>(p, stream);
-    case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128, 2>>(p, stream);
-    case 192: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 192>>(p, stream);
-    case 256: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 256>>(p, stream);
+    case 64: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 64, 2>>(p, convert_dq, stream);
+    case 96: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 96, 2>>(p, convert_dq, stream);
+    case 128: return launch_bwd_sm90_impl<BwdSm90Traits<Element, 128, 2>>(p, convert_dq, stream);
+    case 192: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 192>>(p, convert_dq, stream);
+    case 256: return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 256>>(p, convert_dq, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 }  // namespace detail
 
-cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, int64_t dv, cudaStream_t stream) {
-  return dtype == DType::kBF16 ? detail::dispatch_bwd_sm90<cutlass::bfloat16_t>(p, d, dv, stream)
-                               : detail::dispatch_bwd_sm90<cutlass::half_t>(p, d, dv, stream);
+cudaError_t launch_bwd_sm90(const detail::BwdParams& p, DType dtype, int64_t d, int64_t dv, bool convert_dq,
+                            cudaStream_t stream) {
+  return dtype == DType::kBF16 ? detail::dispatch_bwd_sm90<cutlass::bfloat16_t>(p, d, dv, convert_dq, stream)
+                               : detail::dispatch_bwd_sm90<cutlass::half_t>(p, d, dv, convert_dq, stream);
 }
 
 }  // namespace jaxcp::cuda

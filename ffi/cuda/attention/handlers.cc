@@ -174,14 +174,13 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, AnyBuffer q,
       "jaxcp_attention_fwd");
 }
 
-ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
-                            AnyBuffer k, AnyBuffer v, AnyBuffer out, ffi::Buffer<ffi::F32> lse,
-                            AnyBuffer dout, ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_seg,
-                            ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
-                            ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> dq,
-                            ffi::Result<AnyBuffer> dk, ffi::Result<AnyBuffer> dv,
-                            ffi::Result<AnyBuffer> workspace, MaskAttrs mask, bool deterministic,
-                            AttentionKernelOptions kernel, AnyBuffer plan) {
+// The backward, whole or as one of two chained calls (BwdPhase; jaxcp_attention_bwd_begin / _end).
+ffi::Error attention_bwd_call(BwdPhase phase, cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuffer v,
+                              AnyBuffer out, ffi::Buffer<ffi::F32> lse, AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
+                              ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
+                              ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
+                              ffi::Result<AnyBuffer> dv, ffi::Result<AnyBuffer> workspace, MaskAttrs mask,
+                              bool deterministic, AttentionKernelOptions kernel, AnyBuffer plan) {
   count_call(Handler::kAttentionBwd, stream);
   AttentionShape shape;
   if (auto e = attention_shape_from(q, k, &shape); e.failure()) return e;
@@ -197,6 +196,8 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
   if (auto e = check_bwd_operands(shape, out, dout, lse, dlse, *dq, *dk, *dv, q_seg, q_pos, kv_seg, kv_pos);
       e.failure())
     return e;
+  if (phase != BwdPhase::kWhole && (!attention_bwd_chains(a) || shape.kv_len == 0))
+    return invalid("jaxcp_attention_bwd_begin / _end: these arguments do not chain (attention_bwd_chains)");
   const size_t ws_bytes = attention_bwd_workspace_bytes(a);
   void* ws = nullptr;
   if (auto e = workspace_of(workspace, ws_bytes, &ws); e.failure()) return e;
@@ -207,8 +208,33 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q,
                     out.untyped_data(), lse.typed_data(), dout.untyped_data(), dlse.typed_data(),
                     q_seg.typed_data(), q_pos.typed_data(), kv_seg.typed_data(), kv_pos.typed_data(),
                     plan_data, plan.size_bytes(), dq->untyped_data(), dk->untyped_data(),
-                    dv->untyped_data(), ws, ws_bytes, stream),
+                    dv->untyped_data(), ws, workspace->size_bytes(), stream, phase),
       "jaxcp_attention_bwd");
+}
+
+template <BwdPhase kPhase>
+ffi::Error AttentionBwdImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer out,
+                            ffi::Buffer<ffi::F32> lse, AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
+                            ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
+                            ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
+                            ffi::Result<AnyBuffer> dv, ffi::Result<AnyBuffer> workspace, MaskAttrs mask,
+                            bool deterministic, AttentionKernelOptions kernel, AnyBuffer plan) {
+  return attention_bwd_call(kPhase, stream, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, dq, dk, dv,
+                            workspace, mask, deterministic, kernel, plan);
+}
+
+// The second of two chained calls: `state` is the first call's workspace, which XLA aliases to
+// this call's (the lowering's operand_output_aliases), so the query side it prepared is there.
+ffi::Error AttentionBwdEndImpl(cudaStream_t stream, AnyBuffer q, AnyBuffer k, AnyBuffer v, AnyBuffer out,
+                               ffi::Buffer<ffi::F32> lse, AnyBuffer dout, ffi::Buffer<ffi::F32> dlse,
+                               ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_seg,
+                               ffi::Buffer<ffi::S32> kv_pos, ffi::Result<AnyBuffer> dq, ffi::Result<AnyBuffer> dk,
+                               ffi::Result<AnyBuffer> dv, ffi::Result<AnyBuffer> workspace, MaskAttrs mask,
+                               bool deterministic, AttentionKernelOptions kernel, AnyBuffer plan, AnyBuffer state) {
+  if (state.untyped_data() != workspace->untyped_data() || state.size_bytes() != workspace->size_bytes())
+    return invalid("jaxcp_attention_bwd_end: its state operand must be aliased to its workspace result");
+  return attention_bwd_call(BwdPhase::kEnd, stream, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, dq,
+                            dk, dv, workspace, mask, deterministic, kernel, plan);
 }
 
 }  // namespace
@@ -253,8 +279,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_fwd, jaxcp::cuda::AttentionFw
                                   .Arg<AnyBuffer>(),  // plan
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd, jaxcp::cuda::AttentionBwdImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd,
+                              jaxcp::cuda::AttentionBwdImpl<jaxcp::cuda::BwdPhase::kWhole>,
                               jaxcp::bind_attention_bwd(cuda_bind())
                                   .Attr<jaxcp::AttentionKernelOptions>("kernel")
                                   .Arg<AnyBuffer>(),  // plan
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd_begin,
+                              jaxcp::cuda::AttentionBwdImpl<jaxcp::cuda::BwdPhase::kBegin>,
+                              jaxcp::bind_attention_bwd(cuda_bind())
+                                  .Attr<jaxcp::AttentionKernelOptions>("kernel")
+                                  .Arg<AnyBuffer>(),  // plan
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd_end, jaxcp::cuda::AttentionBwdEndImpl,
+                              jaxcp::bind_attention_bwd(cuda_bind())
+                                  .Attr<jaxcp::AttentionKernelOptions>("kernel")
+                                  .Arg<AnyBuffer>()   // plan
+                                  .Arg<AnyBuffer>(),  // state: the first call's workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});

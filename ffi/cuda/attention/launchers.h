@@ -72,6 +72,20 @@ cudaError_t attention_bwd_plan(const AttentionArgs& args, const int32_t* q_seg, 
 // Depends on the current device (multiprocessor count).
 size_t attention_bwd_workspace_bytes(const AttentionArgs& args);
 
+// A backward over two disjoint key sets of the same queries, as two calls that share the
+// query side (context parallelism's traded pair: the partner's keys, then the rank's own while
+// the partner's dK/dV travel). kBegin prepares delta, lse2, the query ids and the float32 dQ
+// accumulator in its workspace and adds its keys' dQ there without converting it; kEnd, whose
+// workspace is the first call's (aliased), skips that preparation, adds its keys' dQ and converts
+// the sum. dK/dV are each call's own. Both calls take the same queries, out, lse, dout and dlse.
+enum class BwdPhase : int { kWhole = 0, kBegin = 1, kEnd = 2 };
+
+// Whether attention_bwd can run as kBegin / kEnd for these args: the sm_90a kernel only (the sm_80
+// deterministic dQ kernel writes dQ without an accumulator). Two calls chain when both do: their
+// workspaces then share the query side's layout (it comes first and depends on the queries only).
+// Chained calls need keys (kv_len > 0).
+bool attention_bwd_chains(const AttentionArgs& args);
+
 // Gradients of attention_fwd. `out` and `lse` are the forward's results; `dout` and `dlse`
 // (float32 [B,Hq,Sq], may be null = zeros) the cotangents of out and lse; `plan` is
 // attention_bwd_plan's for the same args and token arrays. deterministic=true
@@ -81,6 +95,7 @@ cudaError_t attention_bwd(const AttentionArgs& args, DType dtype, const void* q,
                           const void* v, const void* out, const float* lse, const void* dout,
                           const float* dlse, const int32_t* q_seg, const int32_t* q_pos, const int32_t* kv_seg,
                           const int32_t* kv_pos, const void* plan, size_t plan_bytes, void* dq, void* dk,
-                          void* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                          void* dv, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                          BwdPhase phase = BwdPhase::kWhole);
 
 }  // namespace jaxcp::cuda

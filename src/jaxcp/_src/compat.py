@@ -32,8 +32,8 @@ else:  # pragma: no cover
 NOT_MAPPED = getattr(batching, "not_mapped", None)
 
 
-def ffi_lowering(target_name: str):
-  return jax.ffi.ffi_lowering(target_name)
+def ffi_lowering(target_name: str, **lowering_args):
+  return jax.ffi.ffi_lowering(target_name, **lowering_args)
 
 
 def register_ffi_target(name: str, capsule, platform: str) -> None:

@@ -8,16 +8,30 @@ import functools
 from . import registry
 
 
-def _cuda_bytes(what: str, direction: str, q_shape, kv_shape, config) -> int:
-  """The CUDA module's attention_<direction>_<what>_bytes for these shapes and this AttentionConfig."""
+def _cuda_args(direction: str, q_shape, kv_shape, config) -> tuple:
+  """The CUDA module's size and support queries' positional arguments for these shapes."""
   b, sq, hq, d = q_shape
   skv, hkv = kv_shape[1], kv_shape[2]
   mask = config.mask
   args = (b, sq, skv, hq, hkv, d, mask.is_causal, mask.window_left, mask.window_right, mask.chunk_size)
-  if direction == "bwd":
-    args += (config.deterministic,)
+  return args + (config.deterministic,) if direction == "bwd" else args
+
+
+def _cuda_bytes(what: str, direction: str, q_shape, kv_shape, config) -> int:
+  """The CUDA module's attention_<direction>_<what>_bytes for these shapes and this AttentionConfig."""
   size = getattr(registry.cuda_module(), f"attention_{direction}_{what}_bytes")
-  return int(size(*args, **config.kernel.ffi_attrs()))
+  return int(size(*_cuda_args(direction, q_shape, kv_shape, config), **config.kernel.ffi_attrs()))
+
+
+def attention_bwd_chains(q_shape, kv_shapes, config) -> bool:
+  """Whether the CUDA backward of these queries against each of `kv_shapes` (disjoint key sets)
+  runs as chained calls that share the query side (primitive.bwd_begin / bwd_end): the sm_90a
+  kernel, keys in every set. False where no CUDA kernel runs."""
+  if registry.kernel_platform() != "cuda":
+    return False
+  module = registry.cuda_module()
+  return all(module.attention_bwd_chains(*_cuda_args("bwd", q_shape, s, config), **config.kernel.ffi_attrs())
+             for s in kv_shapes)
 
 
 def attention_workspace_bytes(direction: str, q_shape, kv_shape, config) -> int:

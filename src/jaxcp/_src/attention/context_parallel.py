@@ -384,6 +384,23 @@ def _add32(a, b):
   return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
 
 
+def _two_key_sets(local_bwd, q, k_first, k_second):
+  """(first, second) for a backward of the same queries against two disjoint key sets, the second
+  call running under an exchange: first(*args) -> (state, dk, dv), second(state, *args) -> (dq over
+  both sets, dk, dv). Chained kernel calls that share the query side where local_bwd chains
+  (primitive.LocalBwd: one preparation, one dQ conversion), else two whole calls whose dQ are
+  summed in float32 (state: the first dQ)."""
+  chains = getattr(local_bwd, "chains", None)
+  if chains is not None and chains(q, k_first, k_second):
+    return (lambda *a: local_bwd.begin(*a, then_k=k_second)), local_bwd.end
+
+  def second(dq_first, *args):
+    dq, dk, dv = local_bwd(*args)
+    return _add32(dq, dq_first), dk, dv
+
+  return local_bwd, second
+
+
 def _partner_perm(cp_size: int):
   """Each rank with the other of its pair (groups are consecutive ranks)."""
   return [(j, j ^ 1) for j in range(cp_size)]
@@ -412,20 +429,21 @@ def _partner_bwd(local_bwd, axis, cp_size, kept, *args):
   arrival; without kept K/V the own part runs under the trade of K/V instead."""
   q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos = args
   trade = lambda m: _trade(axis, cp_size, m)
-
-  def others(kp, vp, seg_p, pos_p):
-    dq, dkp, dvp = local_bwd(q, kp, vp, out, lse, dout, dlse, q_seg, q_pos, seg_p, pos_p)
-    return (dq, *_pack((dkp, dvp), as_bits=False))
+  on = lambda kp, vp, seg_p, pos_p: (q, kp, vp, out, lse, dout, dlse, q_seg, q_pos, seg_p, pos_p)
 
   if kept:
-    dq, moved, unpack = others(*kept)
-    own, arrived = _overlapped(trade, moved, local_bwd, args)
-  else:
+    first, second = _two_key_sets(local_bwd, q, kept[0], k)
+    state, dkp, dvp = first(*on(*kept))
+    moved, unpack = _pack((dkp, dvp), as_bits=False)
+    (dq, *own), arrived = _overlapped(trade, moved, second, (state, *args))
+  else:  # the partner's block has the shape of the rank's own
+    first, second = _two_key_sets(local_bwd, q, k, k)
     moved, unpack_kv = _pack((k, v, kv_seg, kv_pos))
-    own, arrived = _overlapped(trade, moved, local_bwd, args)
-    dq, moved, unpack = others(*unpack_kv(arrived))
+    (state, *own), arrived = _overlapped(trade, moved, first, args)
+    dq, dkp, dvp = second(state, *on(*unpack_kv(arrived)))
+    moved, unpack = _pack((dkp, dvp), as_bits=False)
     arrived = trade(moved)
-  return (_add32(own[0], dq), *(_add32(x, y) for x, y in zip(own[1:], unpack(arrived))))
+  return (dq, *(_add32(x, y) for x, y in zip(own, unpack(arrived))))
 
 
 def _heads(q, k, heads):
@@ -530,24 +548,25 @@ def _all_shared_bwd(placement, local_bwd, axis, cp_size, kept, *args):
   rank's own keys runs, which is summed into what arrives; without kept K/V the own part runs
   under the gather instead."""
   q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos = args
-  groups = _axis_groups(placement)
+  groups, ranks = _axis_groups(placement), placement.group_size(cp_size)
 
-  def others(kg, vg, seg_g, pos_g):
-    return local_bwd(q, kg, vg, out, lse, dout, dlse, q_seg, q_pos, _without_own(placement, axis, cp_size, seg_g),
-                     pos_g)
+  def on_others(kg, vg, seg_g, pos_g):
+    return (q, kg, vg, out, lse, dout, dlse, q_seg, q_pos, _without_own(placement, axis, cp_size, seg_g), pos_g)
 
   exchange = lambda m: _all_to_all(axis, m, groups)
   if kept:
-    dq, dkg, dvg = others(*kept)
-    blocks, finish = _scatter_parts(placement.group_size(cp_size), (dkg, dvg))
-    own, arrived = _overlapped(exchange, blocks, local_bwd, args)
+    first, second = _two_key_sets(local_bwd, q, kept[0], k)
+    state, dkg, dvg = first(*on_others(*kept))
+    blocks, finish = _scatter_parts(ranks, (dkg, dvg))
+    (dq, *own), arrived = _overlapped(exchange, blocks, second, (state, *args))
   else:
-    own, gathered = _gather_while(axis, (k, v, kv_seg, kv_pos), local_bwd, args, groups)
-    dq, dkg, dvg = others(*gathered)
-    blocks, finish = _scatter_parts(placement.group_size(cp_size), (dkg, dvg))
+    gathered_k = jax.ShapeDtypeStruct((k.shape[0], ranks * k.shape[1], *k.shape[2:]), k.dtype)
+    first, second = _two_key_sets(local_bwd, q, k, gathered_k)
+    (state, *own), gathered = _gather_while(axis, (k, v, kv_seg, kv_pos), first, args, groups)
+    dq, dkg, dvg = second(state, *on_others(*gathered))
+    blocks, finish = _scatter_parts(ranks, (dkg, dvg))
     arrived = exchange(blocks)
-  dq = _add32(dq, own[0])
-  return (dq, *finish(arrived, own[1:]))
+  return (dq, *finish(arrived, tuple(own)))
 
 
 def _scatter_parts(cp_size, xs):

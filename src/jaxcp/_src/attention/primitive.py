@@ -65,9 +65,10 @@ def _bwd_abstract(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, *
 
 
 def _with_workspace(abstract_eval):
-  """The kernel primitives also return their device workspace (uint8, last result)."""
-  def abstract(*avals, config, workspace_bytes):
-    outs = abstract_eval(*avals, config=config)
+  """The kernel primitives also return their device workspace (uint8, last result). The backward's
+  phase "end" (bwd_end) takes the first call's workspace as an extra first operand."""
+  def abstract(*avals, config, workspace_bytes, phase="whole"):
+    outs = abstract_eval(*avals[phase == "end":], config=config)
     return outs + (compat.derived_aval(avals[0], (workspace_bytes,), jnp.uint8, (None,)),)
   return abstract
 
@@ -80,25 +81,39 @@ register_ffi_lowering(attention_bwd_kernel_p, BWD_TARGET, lambda config: config.
                       platforms=("cpu",))
 
 
+# The backward as two chained calls (bwd_begin, bwd_end): FFI targets `<target>_begin` and
+# `<target>_end`; the second takes the first's workspace as its last operand, aliased to its own
+# workspace (result 3), so the query side the first prepared stays in place.
+_BWD_END_ALIASES = {12: 3}  # operands: the 11 arrays, the plan, the state
+
+
 def _register_cuda_lowering(primitive, direction, target):
   """On CUDA a kernel primitive lowers to two FFI calls: `<target>_plan`, which builds the tile plan
   from the token arrays (the primitive's last four operands) alone, and `<target>`, which takes
   that plan as an extra operand. Layers that share segment ids and positions then make identical
   plan calls, which XLA's common-subexpression elimination merges into one."""
   with_deterministic = direction == "bwd"
-  kernel_rule = compat.ffi_lowering(target)
+  kernel_rules = {"whole": compat.ffi_lowering(target)}
+  if direction == "bwd":
+    kernel_rules["begin"] = compat.ffi_lowering(target + "_begin")
+    kernel_rules["end"] = compat.ffi_lowering(target + "_end", operand_output_aliases=_BWD_END_ALIASES)
   plan_rule = compat.ffi_lowering(target + "_plan")
 
-  def lower(ctx, *args, config, **_):
+  def lower(ctx, *args, config, phase="whole", **_):
+    state = ()
+    if phase == "end":  # the state comes first in the primitive, last in the FFI call
+      state, args = args[:1], args[1:]
+      ctx = ctx.replace(avals_in=[*ctx.avals_in[1:], ctx.avals_in[0]])
     q, k, v = ctx.avals_in[:3]
-    tokens = ctx.avals_in[-4:]
+    tokens = ctx.avals_in[len(args) - 4:len(args)]
     attrs = config.cuda_ffi_attrs(with_deterministic)
     plan_bytes = cuda_capabilities.attention_plan_bytes(direction, q.shape, k.shape, config)
     plan_aval = compat.derived_aval(tokens[0], (plan_bytes,), jnp.uint8, (None,))
     (plan,) = plan_rule(ctx.replace(avals_in=tokens, avals_out=[plan_aval]), *args[-4:],
                         q_heads=np.int64(q.shape[2]), kv_heads=np.int64(k.shape[2]),
                         head_dim=np.int64(q.shape[3]), v_head_dim=np.int64(v.shape[3]), **attrs)
-    return kernel_rule(ctx.replace(avals_in=[*ctx.avals_in, plan_aval]), *args, plan, **attrs)
+    avals = [*ctx.avals_in[:len(args)], plan_aval, *ctx.avals_in[len(args):]]
+    return kernel_rules[phase](ctx.replace(avals_in=avals), *args, plan, *state, **attrs)
 
   compat.mlir.register_lowering(primitive, lower, platform="cuda")
 
@@ -121,6 +136,47 @@ def bwd_kernel(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, conf
   dq, dk, dv, _ = attention_bwd_kernel_p.bind(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg,
                                               kv_pos, config=config, workspace_bytes=ws)
   return dq, dk, dv
+
+
+def bwd_begin(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config, workspace_bytes):
+  """The first of two chained backward calls over disjoint key sets of the same queries (CUDA,
+  where cuda_capabilities.attention_bwd_chains): (state, dk, dv). state is its workspace, sized
+  for both calls (workspace_bytes), holding the query side and the unconverted dQ of its keys."""
+  _, dk, dv, state = attention_bwd_kernel_p.bind(q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos,
+                                                 config=config, workspace_bytes=workspace_bytes, phase="begin")
+  return state, dk, dv
+
+
+def bwd_end(state, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos, config):
+  """The second chained call: (dq over both key sets, dk, dv of its own keys)."""
+  dq, dk, dv, _ = attention_bwd_kernel_p.bind(state, q, k, v, out, lse, dout, dlse, q_seg, q_pos, kv_seg, kv_pos,
+                                              config=config, workspace_bytes=state.shape[0], phase="end")
+  return dq, dk, dv
+
+
+class LocalBwd:
+  """The backward kernel on one shard's arrays (bwd_kernel). Context parallelism also runs it over
+  two disjoint key sets of the same queries (a traded pair: the partner's keys, then the rank's
+  own under the exchange): as chained calls where `chains` (one preparation of the query side and
+  one dQ conversion, no sum of two dQ), with `begin` and `end`."""
+
+  def __init__(self, config: AttentionConfig):
+    self.config = config
+
+  def __call__(self, *args):
+    return bwd_kernel(*args, self.config)
+
+  def chains(self, q, *key_sets) -> bool:
+    return cuda_capabilities.attention_bwd_chains(q.shape, [k.shape for k in key_sets], self.config)
+
+  def begin(self, *args, then_k):
+    """bwd_begin, with a workspace for this call's keys and the second call's (then_k)."""
+    q, k = args[0], args[1]
+    ws = max(cuda_capabilities.attention_workspace_bytes("bwd", q.shape, s.shape, self.config) for s in (k, then_k))
+    return bwd_begin(*args, self.config, ws)
+
+  def end(self, state, *args):
+    return bwd_end(state, *args, self.config)
 
 
 # ---------------------------------------------------------------- public-facing primitives

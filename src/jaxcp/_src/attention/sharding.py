@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import compat
 from ..primitive_utils import mesh_axis_size, spec_of
 from . import context_parallel
-from .primitive import attention_bwd_p, attention_fwd_p, bwd_kernel, fwd_kernel
+from .primitive import LocalBwd, attention_bwd_p, attention_fwd_p, bwd_kernel, fwd_kernel
 
 # The partitioned functions take the config first (static), then the arrays: the forward's
 #   q, k, v, q_seg, q_pos, kv_seg, kv_pos
@@ -236,7 +236,7 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
   head_index = _kv_head_slicer(layout, q.shape[2], mesh_axis_size(mesh, layout.q_heads))
   plan = _cp_plan(config, mesh, layout, q, k)
   heads = (q.shape[2], k.shape[2])  # the whole problem's (the kept arrays' shapes follow them)
-  local = lambda *a: bwd_kernel(*a, config)
+  local = LocalBwd(config)
 
   def grads(q, k, v, *rest, kept=()):
     if plan is None:
