@@ -1,8 +1,9 @@
 """One rank's shared-region call of a placed row on one GPU: its shared queries against the
 gathered shared keys, with the keys in rank order (as the all-gather leaves them) and sorted by
 (segment, position) in 128-token blocks (as jaxcp runs them), forward and forward+backward;
-beside them the whole row on one GPU and the rank's local part. bench_cp.py's problem and
-placement (the committed calibration).
+beside them the whole row on one GPU and the rank's local part, and where a shard is all shared
+its queries against its own keys and against the others' (the two calls of a split shard).
+bench_cp.py's problem and placement (the committed calibration).
 
   python3 tools/probe_key_order.py [--heads 16 16] [--mix doc8k] [--seq 131072] [--gpus 4] [--groups 2]
 """
@@ -83,6 +84,11 @@ def main():
       timed(qs, qp, s2[keys], p2[keys], a.heads, f"rank {rank} shared, keys in rank order")
       by_doc = in_document_order(keys, s2, p2, sort_block(r))
       timed(qs, qp, s2[by_doc], p2[by_doc], a.heads, f"rank {rank} shared, keys sorted by block")
+      if not c:  # everything shared: the two calls a split shard runs (context_parallel._own_keys_first)
+        own = np.arange(lo, lo + shard)
+        others = np.setdiff1d(keys, own)
+        timed(qs, qp, s2[own], p2[own], a.heads, f"rank {rank} shared, its own keys")
+        timed(qs, qp, s2[others], p2[others], a.heads, f"rank {rank} shared, the others' keys")
 
 
 if __name__ == "__main__":

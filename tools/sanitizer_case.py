@@ -10,6 +10,8 @@ Two shapes per head dim:
 - long: 1 row of 4096 tokens, documents of 25-1276 tokens and 96 of padding, causal, 8 query
   heads on 2: more query tiles than multiprocessors, so that the persistent forward takes several
   tiles per block and reuses its shared memory, and the backward's query pipeline wraps around.
+  Its backward also runs as two chained calls over the keys before and after token 1900
+  (primitive.LocalBwd, as context parallelism's traded pairs run it; sm_90a only).
 """
 import os
 import sys
@@ -20,7 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxcp._src.attention.api import attention_with_options  # noqa: E402
+from jaxcp._src.attention.primitive import AttentionConfig, LocalBwd, fwd_kernel  # noqa: E402
 from jaxcp._src.kernel_options import AttentionKernelOptions  # noqa: E402
+from jaxcp._src.mask_spec import MaskSpec  # noqa: E402
 
 FLAGS = ("--forward", "--sm80")
 forward_only = "--forward" in sys.argv
@@ -51,4 +55,21 @@ for seg, q_heads, window in shapes:
                                       deterministic=deterministic, kernel_options=kernel_options)
       f = jax.jit(attend if forward_only else lambda q, k, v: jax.vjp(attend, q, k, v)[1](do))
       jax.block_until_ready(f(q, k, v))
+      if forward_only or window is not None or dv != d:
+        continue
+      config = AttentionConfig(mask=MaskSpec(is_causal=True), scale=d ** -0.5, deterministic=deterministic,
+                               kernel=kernel_options)
+      local, cut = LocalBwd(config), 1900
+      tok = jnp.asarray(seg), jnp.asarray(np.cumsum(np.ones_like(seg), 1) - 1)
+      if not local.chains(q, k[:, :cut], k[:, cut:]):
+        continue
+
+      def chained(q, k, v, do, seg, pos):
+        out, lse = fwd_kernel(q, k, v, seg, pos, seg, pos, config)
+        part = lambda lo, hi: (q, k[:, lo:hi], v[:, lo:hi], out, lse, do, jnp.zeros_like(lse), seg, pos,
+                               seg[:, lo:hi], pos[:, lo:hi])
+        state, *first = local.begin(*part(0, cut), then_k=k[:, cut:])
+        return first, local.end(state, *part(cut, s))
+      jax.block_until_ready(jax.jit(chained)(q, k, v, do, *tok))
+      print(f"chained backward: D {d}, deterministic {deterministic}")
 print("sanitizer case done")
