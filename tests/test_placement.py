@@ -452,3 +452,52 @@ def test_random_rows_match_unsharded(cpu_devices, case, mask_name):
   got = _runner(placement, mask_name)(*args)
   want = _runner(None, mask_name)(*arrays)
   self_attention_rows_close(got, want, arrays[4], arrays[5], MASKS[mask_name], HQ, HKV)
+
+
+class _ChainsOnTheCpu:
+  """primitive.LocalBwd's chained calls as the CUDA kernels give them (begin: the first key set's
+  dQ kept unconverted in its state; end: dQ over both sets), emulated by whole calls, so that the
+  context-parallel code's chained branch runs on the CPU. Records each pair of calls."""
+  calls = []
+
+  def __init__(self, config):
+    from jaxcp._src.attention.primitive import LocalBwd
+    self.whole = LocalBwd(config)
+
+  def __call__(self, *args):
+    return self.whole(*args)
+
+  def chains(self, q, *key_sets):
+    return True
+
+  def begin(self, *args, then_k):
+    dq, dk, dv = self.whole(*args)
+    self.calls.append(("begin", args[1].shape, then_k.shape))
+    return dq.astype(jnp.float32), dk, dv
+
+  def end(self, state, *args):
+    dq, dk, dv = self.whole(*args)
+    self.calls.append(("end", args[1].shape))
+    return (state + dq.astype(jnp.float32)).astype(dq.dtype), dk, dv
+
+
+@pytest.mark.parametrize("cp,kept", [(2, True), (2, False), (4, True), (4, False)])
+def test_chained_backward_calls(cpu_devices, monkeypatch, cp, kept):
+  """An all-shared shard's backward as two chained calls (a traded pair at cp = 2; its own keys
+  and the other ranks' at cp = 4), with and without the forward's kept K/V: each pair of calls
+  is begin then end, begin sized for end's keys, and the gradients equal the unsharded call's."""
+  from jaxcp._src.attention import sharding
+  monkeypatch.setattr(sharding, "LocalBwd", _ChainsOnTheCpu)
+  monkeypatch.setattr(_ChainsOnTheCpu, "calls", [])
+  placement, arrays = _placed(cp, sizes=(S // cp,))
+  assert placement.shared_tokens == S // cp
+  if not kept:
+    placement = dataclasses.replace(placement, cp_size=None)
+  mesh = _mesh(1, 1, cp)
+  s4, s2 = NamedSharding(mesh, P("dp", "cp", "tp", None)), NamedSharding(mesh, P("dp", "cp"))
+  args = [jax.device_put(x, s) for x, s in zip(arrays, (s4, s4, s4, s4, s2, s2))]
+  got = jax.jit(_fwd_bwd(placement, MASKS["causal"]))(*args)
+  calls = _ChainsOnTheCpu.calls
+  assert len(calls) == 2 and calls[0][0] == "begin" and calls[1][0] == "end", calls
+  assert calls[0][2] == calls[1][1]  # the first call's workspace is sized for the second's keys
+  _check(got, jax.jit(_fwd_bwd("auto", MASKS["causal"], implementation="xla"))(*arrays))
