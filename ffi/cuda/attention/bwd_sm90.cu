@@ -690,7 +690,8 @@ template <class Element>
 cudaError_t dispatch_bwd_sm90(const BwdParams& p, int64_t d, int64_t dv, bool convert_dq, cudaStream_t stream) {
   if (dv != d) {
     static_assert(sm90_value_head_dim(192, 128));
-    if (sm90_value_head_dim(d, dv)) return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 192, 128>>(p, convert_dq, stream);
+    if (sm90_value_head_dim(d, dv))
+      return launch_bwd_sm90_impl<BwdSm90SplitDTraits<Element, 192, 128>>(p, convert_dq, stream);
     return cudaErrorInvalidValue;
   }
   switch (d) {
