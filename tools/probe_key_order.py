@@ -2,7 +2,8 @@
 gathered shared keys, with the keys in rank order (as the all-gather leaves them) and sorted by
 (segment, position) in 128-token blocks (as jaxcp runs them), forward and forward+backward;
 beside them the whole row on one GPU and the rank's local part, and where a shard is all shared
-its queries against its own keys and against the others' (the two calls of a split shard).
+its queries against its own keys and against the others' (the two calls of a split shard), and
+the backward kernels of those two calls chained (as jaxcp runs them) and whole.
 bench_cp.py's problem and placement (the committed calibration).
 
   python3 tools/probe_key_order.py [--heads 16 16] [--mix doc8k] [--seq 131072] [--gpus 4] [--groups 2]
@@ -50,6 +51,42 @@ def timed(qs, qp, ks, kp, heads, label):
   return t
 
 
+def two_backwards(qs, qp, first, second, heads, label):
+  """The backward kernels of the queries against two key sets (the others' keys, then the rank's
+  own), as jaxcp runs them on the GPU (chained: primitive.LocalBwd.begin / end) and as two whole
+  calls whose dQ are summed."""
+  from jaxcp._src.attention.primitive import AttentionConfig, LocalBwd, fwd_kernel
+  from jaxcp._src.mask_spec import MaskSpec
+  hq, hkv = heads
+  config = AttentionConfig(mask=MaskSpec(is_causal=True), scale=D ** -0.5)
+  local = LocalBwd(config)
+  key = jax.random.PRNGKey(1)
+  q, do = (jax.random.normal(jax.random.fold_in(key, i), (1, len(qs), hq, D), jnp.bfloat16) for i in (0, 1))
+  tok = lambda x: jnp.asarray(x[None].astype(np.int32))
+  sets = [(*(jax.random.normal(jax.random.fold_in(key, 2 + 2 * j + i), (1, len(ks[0]), hkv, D), jnp.bfloat16)
+             for i in (0, 1)), tok(ks[0]), tok(ks[1])) for j, ks in enumerate((first, second))]
+  k_all, v_all, seg_all, pos_all = (jnp.concatenate(x, axis=1) for x in zip(*sets))
+  out, lse = jax.jit(lambda *a: fwd_kernel(*a, config))(q, k_all, v_all, tok(qs), tok(qp), seg_all, pos_all)
+  dlse = jnp.zeros_like(lse)
+  args = lambda s: (q, s[0], s[1], out, lse, do, dlse, tok(qs), tok(qp), s[2], s[3])
+
+  if not local.chains(q, sets[0][0], sets[1][0]):
+    print(f"{label} shared: the backward does not chain here (CUDA sm_90a only)")
+    return
+
+  def chained():
+    state, *grads_first = local.begin(*args(sets[0]), then_k=sets[1][0])
+    return grads_first, local.end(state, *args(sets[1]))
+
+  def whole():
+    (dq0, *g0), (dq1, *g1) = local(*args(sets[0])), local(*args(sets[1]))
+    return g0, ((dq0.astype(jnp.float32) + dq1.astype(jnp.float32)).astype(dq0.dtype), *g1)
+
+  t = common.time_interleaved({"chained": (jax.jit(chained), ()), "whole": (jax.jit(whole), ())})
+  print(f"{label} shared, backward of both calls: chained {t['chained'] * 1e3:7.3f} ms, "
+        f"two whole calls and the dQ sum {t['whole'] * 1e3:7.3f} ms", flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--heads", type=int, nargs=2, default=[16, 16])
@@ -89,6 +126,7 @@ def main():
         others = np.setdiff1d(keys, own)
         timed(qs, qp, s2[own], p2[own], a.heads, f"rank {rank} shared, its own keys")
         timed(qs, qp, s2[others], p2[others], a.heads, f"rank {rank} shared, the others' keys")
+        two_backwards(qs, qp, (s2[others], p2[others]), (s2[own], p2[own]), a.heads, f"rank {rank}")
 
 
 if __name__ == "__main__":
