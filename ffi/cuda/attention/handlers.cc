@@ -264,6 +264,11 @@ auto bind_attention_plan(Binding b) {
 
 auto cuda_bind() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
 
+// The backward handlers' binding: the common one, the kernel options and the plan operand.
+auto cuda_bwd_bind() {
+  return jaxcp::bind_attention_bwd(cuda_bind()).Attr<jaxcp::AttentionKernelOptions>("kernel").Arg<AnyBuffer>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_fwd_plan, jaxcp::cuda::AttentionFwdPlanImpl,
@@ -280,22 +285,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_fwd, jaxcp::cuda::AttentionFw
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd,
-                              jaxcp::cuda::AttentionBwdImpl<jaxcp::cuda::BwdPhase::kWhole>,
-                              jaxcp::bind_attention_bwd(cuda_bind())
-                                  .Attr<jaxcp::AttentionKernelOptions>("kernel")
-                                  .Arg<AnyBuffer>(),  // plan
+                              jaxcp::cuda::AttentionBwdImpl<jaxcp::cuda::BwdPhase::kWhole>, cuda_bwd_bind(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd_begin,
-                              jaxcp::cuda::AttentionBwdImpl<jaxcp::cuda::BwdPhase::kBegin>,
-                              jaxcp::bind_attention_bwd(cuda_bind())
-                                  .Attr<jaxcp::AttentionKernelOptions>("kernel")
-                                  .Arg<AnyBuffer>(),  // plan
+                              jaxcp::cuda::AttentionBwdImpl<jaxcp::cuda::BwdPhase::kBegin>, cuda_bwd_bind(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxcp_cuda_attention_bwd_end, jaxcp::cuda::AttentionBwdEndImpl,
-                              jaxcp::bind_attention_bwd(cuda_bind())
-                                  .Attr<jaxcp::AttentionKernelOptions>("kernel")
-                                  .Arg<AnyBuffer>()   // plan
-                                  .Arg<AnyBuffer>(),  // state: the first call's workspace
+                              cuda_bwd_bind().Arg<AnyBuffer>(),  // state: the first call's workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});

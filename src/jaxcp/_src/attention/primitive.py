@@ -68,7 +68,7 @@ def _with_workspace(abstract_eval):
   """The kernel primitives also return their device workspace (uint8, last result). The backward's
   phase "end" (bwd_end) takes the first call's workspace as an extra first operand."""
   def abstract(*avals, config, workspace_bytes, phase="whole"):
-    outs = abstract_eval(*avals[phase == "end":], config=config)
+    outs = abstract_eval(*(avals[1:] if phase == "end" else avals), config=config)
     return outs + (compat.derived_aval(avals[0], (workspace_bytes,), jnp.uint8, (None,)),)
   return abstract
 
