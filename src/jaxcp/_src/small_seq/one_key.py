@@ -62,8 +62,8 @@ def _spread(rows, allowed, hq: int, like):
 def _group_sum(dout, hkv: int):
   """[B, Hq, D] -> [B, Hkv, D]: the sum over each group's query heads, in float32, head by head.
   As adds of slices XLA fuses it into one elementwise loop; as a reduction over the middle axis
-  the padded forward+backward was 5-9% slower at groups of 4 (H200, 4/1 heads, D 64 and 128, B =
-  262144 and 1048576; level on 8/2, 16/4 and ragged rows)."""
+  the padded forward+backward took 7-10% longer at groups of 4 (H200, 4/1 heads, D 64 and 128, B =
+  262144 and 1048576; level at 8/2 heads of 128, 16/4 of 64 and on ragged rows)."""
   b, hq, d = dout.shape
   heads = dout.reshape(b, hkv, hq // hkv, d)
   total = heads[:, :, 0].astype(jnp.float32)
