@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# A/B of CUDA kernel libraries in one call on one GPU: each variant NAME is a kernel library
+# built elsewhere (tools/prebuild_cuda_kernels.sh, then `xz` its libjaxcp_cuda_kernels.a into
+# DIR/libNAME.a.xz), installed with the tree's FFI handlers into /tmp/site_NAME (its own build
+# dir) and timed by importing from there. Any editable jaxcp is uninstalled first: its import
+# hook would take precedence over PYTHONPATH, and every variant would run the same library.
+#   AB_DIR=.ab AB_VARIANTS=A,B AB_CASES="att:2x8k dense+det;att:1x128k doc8k" bash tools/gpu_kernel_ab.sh
+# AB_MODE=kernels (default): each case's backward kernel duration under ncu (AB_GREP picks the
+#   kernels' lines of tools/kernel_times.py); AB_MODE=time: profile_case.py --bwd --time, in
+#   AB_ROUNDS rounds (default 2) that alternate the variants' order.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT="${OUT:-$PWD/gpu_results}"
+mkdir -p "$OUT"
+dir="${AB_DIR:-.ab}"
+IFS=',' read -ra variants <<< "${AB_VARIANTS:?AB_VARIANTS=A,B,...}"
+IFS=';' read -ra cases <<< "${AB_CASES:?AB_CASES=case;case;...}"
+python3 -m pip uninstall -y -q jaxcp > /dev/null 2>&1
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
+fi
+for v in "${variants[@]}"; do
+  (xz -d -c "$dir/lib$v.a.xz" > "/tmp/lib$v.a" || exit 1
+   CMAKE_ARGS="-DJAXCP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real -DJAXCP_CUDA_KERNELS_LIB=/tmp/lib$v.a" \
+     CMAKE_BUILD_PARALLEL_LEVEL=4 python3 -m pip install -q --no-build-isolation --no-deps \
+     --target "/tmp/site_$v" --config-settings=build-dir="/tmp/build_$v" . > "$OUT/build_$v.log" 2>&1
+   echo "build $v rc=$?") &
+done
+wait
+for v in "${variants[@]}"; do  # where each variant imports from, and its extension's checksum
+  (cd /tmp && PYTHONPATH="/tmp/site_$v" python3 -c "import hashlib, jaxcp._jaxcp_cuda as m; \
+print('$v', m.__file__, hashlib.md5(open(m.__file__, 'rb').read()).hexdigest()[:8])")
+done
+if [ "${AB_MODE:-kernels}" = kernels ]; then
+  for c in "${cases[@]}"; do
+    for v in "${variants[@]}"; do
+      PYTHONPATH="/tmp/site_$v" timeout "${AB_TIMEOUT:-150}" ncu --clock-control none \
+        --metrics gpu__time_duration.sum --csv python3 tools/profile_case.py "$c" --reps 3 --bwd 2> /dev/null \
+        | python3 tools/kernel_times.py | grep -E "${AB_GREP:-attention_bwd_sm90_kernel}" | cut -c1-70 \
+        | sed "s|^|$v $c: |"
+    done
+  done
+else
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    order=("${variants[@]}")
+    [ $((r % 2)) = 0 ] && order=($(printf '%s\n' "${variants[@]}" | tac))
+    for v in "${order[@]}"; do
+      PYTHONPATH="/tmp/site_$v" timeout "${AB_TIMEOUT:-150}" python3 tools/profile_case.py "${cases[@]}" \
+        --bwd --time 2>&1 | grep " ms" | sed "s/^/$v r$r /"
+    done
+  done
+fi
