@@ -27,7 +27,8 @@
 // masks (windows, chunks) the higher key tiles reach a query tile first anyway (FlashAttention-3's
 // deterministic backward orders its dQ adds the same way). dK and dV need no turns: one block
 // writes each key tile's (split GQA groups' partial sums are reduced in a fixed order).
-// A GQA block runs its group's heads innermost (every head of a query tile, then the next tile)
+// bwd_plan gives each query head its own block where it can (keys no longer than the queries).
+// A block of several heads runs them innermost (every head of a query tile, then the next tile)
 // and takes one turn per query tile for all of them (on the semaphore of its first head): a turn
 // costs a wait on the semaphore, the adds' completion and a GPU-scope fence, and a turn per head
 // made 1x128k doc8k 32/8 7% slower (H200). At D 192 and 256 the consumers take turns per head.
