@@ -30,7 +30,11 @@ wait
 for v in "${variants[@]}"; do  # where each variant imports from, and its extension's checksum
   (cd /tmp && PYTHONPATH="/tmp/site_$v" python3 -c "import hashlib, jaxcp._jaxcp_cuda as m; \
 print('$v', m.__file__, hashlib.md5(open(m.__file__, 'rb').read()).hexdigest()[:8])")
-done
+done | tee "$OUT/ab_imports.txt"
+if [ "$(awk '{print $3}' "$OUT/ab_imports.txt" | sort | uniq -d)" ]; then
+  echo "two variants load the same extension: their times would compare a library with itself" >&2
+  exit 1
+fi
 if [ "${AB_MODE:-kernels}" = kernels ]; then
   for c in "${cases[@]}"; do
     for v in "${variants[@]}"; do
