@@ -5,8 +5,8 @@
 # dir) and timed by importing from there. Any editable jaxcp is uninstalled first: its import
 # hook would take precedence over PYTHONPATH, and every variant would run the same library.
 #   AB_DIR=.ab AB_VARIANTS=A,B AB_CASES="att:2x8k dense+det;att:1x128k doc8k" bash tools/gpu_kernel_ab.sh
-# AB_MODE=kernels (default): each case's backward kernel duration under ncu (AB_GREP picks the
-#   kernels' lines of tools/kernel_times.py); AB_MODE=time: profile_case.py --bwd --time, in
+# AB_MODE=kernels (default): each case's backward kernel duration under ncu (tools/gpu_kernel_times.sh;
+#   AB_GREP picks its lines); AB_MODE=time: profile_case.py --bwd --time, in
 #   AB_ROUNDS rounds (default 2) that alternate the variants' order.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,10 +38,8 @@ fi
 if [ "${AB_MODE:-kernels}" = kernels ]; then
   for c in "${cases[@]}"; do
     for v in "${variants[@]}"; do
-      PYTHONPATH="/tmp/site_$v" timeout "${AB_TIMEOUT:-150}" ncu --clock-control none \
-        --metrics gpu__time_duration.sum --csv python3 tools/profile_case.py "$c" --reps 3 --bwd 2> /dev/null \
-        | python3 tools/kernel_times.py | grep -E "${AB_GREP:-attention_bwd_sm90_kernel}" | cut -c1-70 \
-        | sed "s|^|$v $c: |"
+      PYTHONPATH="/tmp/site_$v" timeout "${AB_TIMEOUT:-150}" bash tools/gpu_kernel_times.sh "$c" --bwd \
+        | grep -E "${AB_GREP:-attention_bwd_sm90_kernel}" | cut -c1-70 | sed "s|^|$v $c: |"
     done
   done
 else

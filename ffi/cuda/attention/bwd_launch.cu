@@ -49,22 +49,21 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   // to fill the GPU (partial dK/dV sums in float32, reduced in a fixed order).
   const int64_t G = s.kv_heads > 0 ? s.q_heads / s.kv_heads : 1;
   const int64_t base = r.nkv * s.kv_heads * s.batch;
+  // The deterministic kernel at D <= 128 gets one query head a block: a block of several heads
+  // walks them inside each query tile (one turn a tile for the group), 17% slower than head after
+  // head (4x16k doc4k 32/8, H200). Its dK / dV partials then take at most twice the dQ
+  // accumulator's memory (keys no longer than the queries).
+  const bool one_head_a_block = a.deterministic && r.sm90 && s.head_dim <= 128 && s.v_dim() == s.head_dim &&
+                                s.kv_len <= r.sq_pad;
   if (G > 1 && base > 0) {
     // Aim at >= 4 waves of one-block-per-SM work (causal work per key tile is very uneven);
     // use a divisor of G so that every split gets the same number of heads.
-    const int64_t want = ceil_div64(4 * static_cast<int64_t>(multiprocessor_count()), base);
+    const int64_t want =
+        one_head_a_block ? G : ceil_div64(4 * static_cast<int64_t>(multiprocessor_count()), base);
     int64_t sp = 1;
     while (sp < G && (sp < want || G % sp != 0)) ++sp;
     while (sp > 1 && (s.kv_heads * sp > 65535 || G % sp != 0)) --sp;
     r.splits = static_cast<int>(sp);
-    // The deterministic kernel at D <= 128 gets one query head a block: with a group's heads a
-    // block walks them inside each query tile (one turn a tile for the group), and that walk alone
-    // took 17% longer than the default's head after head (4x16k doc4k 32/8, both without turns,
-    // H200); one head a block took its backward kernel 13% less time there and 7% less on 1x128k
-    // doc8k 32/8. The dK / dV partials take at most twice the dQ accumulator's memory.
-    if (a.deterministic && r.sm90 && s.head_dim <= 128 && s.v_dim() == s.head_dim && s.kv_len <= r.sq_pad &&
-        s.kv_heads * G <= 65535)
-      r.splits = static_cast<int>(G);
   }
   {
     // Smallest divisor of Hkv*splits giving >= 4 waves of blocks per scheduling chunk.
