@@ -72,10 +72,11 @@ __forceinline__ __device__ void bulk_reduce_add_f32(float* gmem, const float* sm
 #endif
 }
 
-// The deterministic kernel's turns: a dQ tile's semaphore read with acquire semantics, and set
-// with release semantics once this block's bulk add to the tile is complete. The proxy fences
-// order those generic accesses with the bulk adds (async proxy) on either side.
-__forceinline__ __device__ void wait_turn(const int* sem, int ticket) {
+// The deterministic kernels' turns: a dQ tile's semaphore read with acquire semantics until it
+// shows this block's ticket, and set to the next ticket with release semantics once this
+// block's adds to the tile are complete. The sm_90a kernel's bulk adds (async proxy) are ordered
+// with these generic accesses by proxy fences on either side.
+__forceinline__ __device__ void take_turn(const int* sem, int ticket) {
 #if JAXCP_SM90_DEVICE
   int v;
   for (;;) {
@@ -83,15 +84,12 @@ __forceinline__ __device__ void wait_turn(const int* sem, int ticket) {
     if (v == ticket) break;
     __nanosleep(32);
   }
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
 #endif
 }
 
-__forceinline__ __device__ void pass_turn(int* sem, int next) {
+__forceinline__ __device__ void fence_proxy_async_global() {
 #if JAXCP_SM90_DEVICE
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the bulk adds are done, not just read
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
-  asm volatile("st.global.release.gpu.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
 #endif
 }
 
@@ -105,7 +103,6 @@ __forceinline__ __device__ DqTurn dq_turn(const BwdParams& p, int b, int h, int 
                 p.dq_ticket[(static_cast<int64_t>(b) * p.nkv + n) * p.nq + m]};
 }
 
-// pass_turn for adds made by the threads themselves (red.global, generic proxy), each fenced.
 __forceinline__ __device__ void release_turn(int* sem, int next) {
 #if JAXCP_SM90_DEVICE
   asm volatile("st.global.release.gpu.b32 [%0], %1;\n" ::"l"(sem), "r"(next) : "memory");
@@ -192,7 +189,17 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
                    Shape<_1, _1, _1>{});
   PipelineDO pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDO>(KT::kDOStageBytes, KT::kConsumerThreads),
                      Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) TxBarrier::init(&ss.kv_full, 1);
+  if (threadIdx.x == 0) {
+    TxBarrier::init(&ss.kv_full, 1);
+    if constexpr (kOrdered) {
+      for (int slot = 0; slot < 2; ++slot) {
+        cutlass::arch::ClusterBarrier::init(&ss.turns.taken_full[slot], 1);
+        cutlass::arch::ClusterBarrier::init(&ss.turns.taken_empty[slot], 1);
+        cutlass::arch::ClusterBarrier::init(&ss.turns.done_full[slot], 1);
+        cutlass::arch::ClusterBarrier::init(&ss.turns.done_empty[slot], 1);
+      }
+    }
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -239,13 +246,14 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // Deterministic (kOrdered): a query tile's adds take turns, key tiles in decreasing order
         // (blocks start in that order, so a turn never waits on a block that has not started;
         // under causal masks the higher key tiles reach a query tile first anyway); the group's
-        // turn is taken at its first head and passed on after its last head's adds are complete.
+        // turn is taken at its first head and passed on after its last head's adds are complete,
+        // both by warps of their own (below), so that the writer never waits on global memory.
         constexpr int kHalf = BM * D / 2;  // floats
         int h = w.h_begin, i = i_first, c = cls_first;
         bool more = true;
         for (int half = 0; half < 2; ++half)  // both halves start empty
           cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + half);
-        DqTurn turn{nullptr, 0};  // deterministic: the group's turn on the current query tile
+        int taken = 0, done = 0;  // deterministic: turns received from / handed to the turn warps
         do {
           const int hs = h, is = i;
           more = next_step(h, i, c);
@@ -255,8 +263,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             if (threadIdx.x == 32) {
               if constexpr (kOrdered) {
                 if (half == 0 && hs == w.h_begin) {
-                  turn = dq_turn(p, w.b, w.h_begin, w.n_block, is);
-                  wait_turn(turn.sem, turn.ticket);
+                  mbar_wait(&ss.turns.taken_full[taken % 2], (taken / 2) % 2);
+                  mbar_arrive(&ss.turns.taken_empty[taken % 2]);
+                  ++taken;
+                  fence_proxy_async_global();  // the turn (generic proxy) before the adds (async)
                 }
               }
               bulk_reduce_add_f32(gdq + half * kHalf, ss.dq.data() + half * kHalf, kHalf * 4);
@@ -270,12 +280,49 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
           __syncwarp();
           if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + 1);
           if constexpr (kOrdered) {
-            if (threadIdx.x == 32 && hs == w.h_end - 1) pass_turn(turn.sem, turn.ticket + 1);
+            if (threadIdx.x == 32 && hs == w.h_end - 1) {
+              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds are done, not just read
+              fence_proxy_async_global();
+              mbar_wait(&ss.turns.done_empty[done % 2], ((done / 2) % 2) ^ 1);
+              mbar_arrive(&ss.turns.done_full[done % 2]);
+              ++done;
+            }
           }
           __syncwarp();
         } while (more);
         if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
         return;
+      }
+      if constexpr (kOrdered) {
+        if (threadIdx.x == 64 || threadIdx.x == 96) {
+          // ---------------- turn warps: take the group's turns ahead, pass them on ----------------
+          // Each walks the writer's steps. The taker (warp 2) waits on a query tile's semaphore
+          // for this block's ticket, up to two tiles ahead of the writer; the passer (warp 3)
+          // sets the next ticket once the writer's adds to the tile are complete. (A release at
+          // GPU scope stalls its thread on a memory barrier: in the writer, the consumers would
+          // wait for the dQ buffer meanwhile.)
+          const bool taker = threadIdx.x == 64;
+          int h = w.h_begin, i = i_first, c = cls_first, k = 0;
+          bool more = true;
+          do {
+            const int hs = h, is = i;
+            more = next_step(h, i, c);
+            if (hs != (taker ? w.h_begin : w.h_end - 1)) continue;
+            const DqTurn turn = dq_turn(p, w.b, w.h_begin, w.n_block, is);
+            const int slot = k % 2, parity = (k / 2) % 2;
+            ++k;
+            if (taker) {
+              mbar_wait(&ss.turns.taken_empty[slot], parity ^ 1);
+              take_turn(turn.sem, turn.ticket);
+              mbar_arrive(&ss.turns.taken_full[slot]);
+            } else {
+              mbar_wait(&ss.turns.done_full[slot], parity);
+              mbar_arrive(&ss.turns.done_empty[slot]);
+              release_turn(turn.sem, turn.ticket + 1);
+            }
+          } while (more);
+          return;
+        }
       }
     }
     // ---------------- producer: one thread issues every load ----------------
@@ -539,7 +586,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         if (ordered) {
           if (tidx == 0) {
             turn = dq_turn(p, w.b, step.h, w.n_block, i);
-            wait_turn(turn.sem, turn.ticket);
+            take_turn(turn.sem, turn.ticket);
           }
           cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
         }

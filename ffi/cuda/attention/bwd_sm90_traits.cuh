@@ -136,9 +136,17 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDQSplitM>, Int<2 / kDQSplitM>, _1>>{}));
 
+  // The deterministic kernel's dQ turns, two slots each way (mbarriers): turns that the
+  // turn-taking warp holds for the writer warp (taken), and turns whose adds the writer has
+  // completed, for the turn-passing warp to pass on (done).
+  struct TurnSlots {
+    uint64_t taken_full[2], taken_empty[2], done_full[2], done_empty[2];
+  };
+
   struct SharedStorage : Base::CommonStorage {
     cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> ds;
     cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]: one tile, two halves
+    alignas(8) TurnSlots turns;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
