@@ -156,11 +156,20 @@ def test_cross_attention_and_permuted_tokens():
            kv_segment_ids=kv_seg[:, perm], kv_positions=np.tile(np.arange(333, dtype=np.int32)[perm], (2, 1)))
 
 
+def _one_document_rows(batch, seq_len, pad):
+  """Each row one document (segment 1) and a padding tail of pad tokens (segment 0)."""
+  seg = np.ones((batch, seq_len), np.int32)
+  seg[:, seq_len - pad:] = 0
+  return seg
+
+
+@pytest.mark.parametrize("rows", ["packed", "one_document"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_deterministic_backward_is_bitwise_reproducible(head_dim):
-  """Long documents, so that many key tiles add into each dQ tile (up to 32 at D 256)."""
+def test_deterministic_backward_is_bitwise_reproducible(head_dim, rows):
+  """Long documents, so that many key tiles add into each dQ tile (up to 32 at D 256); rows of one
+  document turn the D 128 kernel's key tiles in increasing order, packed rows decreasing."""
   rng = np.random.default_rng(4)
-  seg = random_segments(rng, 2, 2048, mean_doc=1500)
+  seg = random_segments(rng, 2, 2048, mean_doc=1500) if rows == "packed" else _one_document_rows(2, 2048, 100)
   q, k, v, do = _qkv(4, 2, 2048, 2048, 8, 2, head_dim, jnp.bfloat16)
   f = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: jaxcp.attention(
       q, k, v, segment_ids=seg, is_causal=True, deterministic=True), q, k, v)[1](do))
@@ -170,15 +179,17 @@ def test_deterministic_backward_is_bitwise_reproducible(head_dim):
       np.testing.assert_array_equal(np.asarray(x.view(jnp.uint16)), np.asarray(y.view(jnp.uint16)))
 
 
+@pytest.mark.parametrize("rows", ["packed", "one_document"])
 @pytest.mark.parametrize("mask", ["full", "causal", "causal_window", "causal_chunk"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_deterministic_backward(mask, head_dim):
+def test_deterministic_backward(mask, head_dim, rows):
   """deterministic=True on Hopper: the sm_90a backward, each dQ tile's adds taking turns in
-  decreasing key-tile order (blocks start in that order): the writer warp's bulk adds at D 64 /
-  128, both warpgroups' register adds at D 256. Against the reference, with a GQA group split
-  over blocks, and bitwise equal over two calls."""
+  key-tile order (blocks start in that order; increasing where every row is one document at D 128,
+  else decreasing): the writer warp's bulk adds at D 64 / 128, both warpgroups' register adds
+  at D 256. Against the reference, with a GQA group split over blocks, and bitwise equal over two
+  calls."""
   rng = np.random.default_rng(8)
-  seg = random_segments(rng, 2, 900, mean_doc=300)
+  seg = random_segments(rng, 2, 900, mean_doc=300) if rows == "packed" else _one_document_rows(2, 900, 77)
   q, k, v, do = _qkv(8, 2, 900, 900, 8, 2, head_dim, jnp.bfloat16)
   _compare(q, k, v, do, jnp.bfloat16, segment_ids=seg, deterministic=True, **MASKS[mask])
   f = jax.jit(lambda q, k, v, seg: jax.vjp(lambda q, k, v: jaxcp.attention(

@@ -3,7 +3,7 @@ XLA autotuning noise). Head dims from the command line, default all; D:DV gives 
 its own; --forward runs the forwards alone; --sm80 runs the sm_80 kernels (the private kernel
 option sm80_only), as an A100 would: python3 sanitizer_case.py [--forward] [--sm80] 192 192:128
 
-Two shapes per head dim:
+Three shapes per head dim:
 - short: 2 rows of 250 tokens (five documents, one of a single token; row 1 padded from 200),
   causal with a window of 40; 4 query heads on 2 kv heads (the sm_90a backward splits the groups:
   float32 partial dK / dV) and 2 on 2 (dK / dV by TMA stores, the last key tile ragged);
@@ -38,7 +38,9 @@ short_seg[1, 200:] = 0
 long_lengths = np.random.default_rng(0).integers(1, 1500, 12)
 long_seg = np.pad(np.repeat(np.arange(1, 13, dtype=np.int32), long_lengths)[:4000], (0, 96))[None]
 # (segment ids, query heads, window)
-shapes = [(short_seg, 4, (40, 0)), (short_seg, 2, (40, 0)), (long_seg, 8, None)]
+one_doc_seg = np.ones((2, 1024), np.int32)
+one_doc_seg[1, 900:] = 0
+shapes = [(short_seg, 4, (40, 0)), (short_seg, 2, (40, 0)), (long_seg, 8, None), (one_doc_seg, 4, None)]
 
 for seg, q_heads, window in shapes:
   b, s = seg.shape
@@ -55,7 +57,7 @@ for seg, q_heads, window in shapes:
                                       deterministic=deterministic, kernel_options=kernel_options)
       f = jax.jit(attend if forward_only else lambda q, k, v: jax.vjp(attend, q, k, v)[1](do))
       jax.block_until_ready(f(q, k, v))
-      if forward_only or window is not None or dv != d:
+      if forward_only or seg is not long_seg or dv != d:
         continue
       config = AttentionConfig(mask=MaskSpec(is_causal=True), scale=d ** -0.5, deterministic=deterministic,
                                kernel=kernel_options)

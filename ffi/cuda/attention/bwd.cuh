@@ -45,11 +45,13 @@ struct BwdParams {
   const float* lse2;
   const ColMask* q_ids;  // (segment, position) of each query, in rows of sq_pad (padding: zeros)
   int64_t sq_pad;
-  // Deterministic sm_90a backward: each dQ tile's bulk adds go in decreasing key tile order.
-  // dq_ticket[(b * nkv + n) * nq + m] = how many key tiles after n add to query tile m (valid where
-  // key tile n's walk visits m); dq_sem[(b * Hq + h) * nq + m] = adds done so far (zeroed per call;
+  // Deterministic sm_90a backward: each dQ tile's adds go in key tile order, decreasing or, where
+  // *dq_ascending (set by bwd_turn_order_kernel), increasing. dq_ticket[(b * nkv + n) * nq + m] =
+  // how many key tiles before n in that order add to query tile m (valid where key tile n's walk
+  // visits m); dq_sem[(b * Hq + h) * nq + m] = adds done so far (zeroed per call;
   // the sm_90a kernel at D <= 128 counts a GQA block's heads as one add, on its first head's).
-  // Both null otherwise.
+  // All null otherwise.
+  const int* dq_ascending;
   const int* dq_ticket;
   int* dq_sem;
 };
@@ -57,7 +59,8 @@ struct BwdParams {
 // The work of one dK/dV block: one key tile of one kv head (or a split of its GQA group). The
 // (head, split) pairs are cut into chunks of head_chunk; chunks run one after the other, inside a
 // chunk key tiles go in kv_order (heaviest first, or in index order when every tile is light: see
-// kBwdIndexOrderMaxQueries; in decreasing index order for the deterministic sm_90a kernel) with the
+// kBwdIndexOrderMaxQueries; in the turn order of the deterministic sm_90a kernel:
+// bwd_turn_order_kernel) with the
 // pairs of a tile on consecutive blocks. Small chunks
 // keep the blocks running together on few heads (their Q / dO stay in L2); chunks of >= ~4
 // waves keep the longest-first order.
@@ -118,6 +121,21 @@ __forceinline__ __device__ int bwd_next_q_serial(const BwdParams& p, const BwdBl
   return i;
 }
 
+// The same in either direction: the first query tile from i on, stepping by di (1 or -1), that
+// block w does not skip, end (w.range.y or w.range.x - 1) if none; its class in c. (A direction
+// chosen at run time by arithmetic: a branch between the two walks in every step cost the
+// deterministic kernel 3-5% on packed documents, this 0.5-2%; H200.)
+template <int BM>
+__forceinline__ __device__ int bwd_step_q_serial(const BwdParams& p, const BwdBlock& w, int i, int di, int end,
+                                                 int& c) {
+  const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
+  for (; i != end; i += di) {
+    c = bwd_q_class<BM>(p, w, q_sum[i], i);
+    if (c != kSkip) break;
+  }
+  return i;
+}
+
 // bwd_sm80.cu: the sm_80 dK/dV kernel (dQ by float32 atomics into p.dq_accum when atomic_dq).
 template <class Element, int D>
 cudaError_t launch_bwd_dkdv(const BwdParams& p, bool atomic_dq, cudaStream_t stream);
@@ -165,6 +183,10 @@ struct BwdPrepArgs {
 template <class Element, int D, int Dv>
 cudaError_t launch_bwd_prep(BwdPrepArgs a, int64_t batch, cudaStream_t stream);
 cudaError_t launch_dq_tickets(const BwdParams& p, cudaStream_t stream);
+// Deterministic sm_90a backward: kv_order (batch * nkv key tiles) in the dQ turns' order, and
+// *ascending whether it is increasing (only where may_ascend: the kernel at D 128).
+cudaError_t launch_turn_order(const TileRange* kv_range, int64_t batch, int64_t nkv, bool may_ascend, int* kv_order,
+                              int* ascending, cudaStream_t stream);
 template <class Element>
 cudaError_t launch_dq_convert(const BwdParams& p, cudaStream_t stream);
 template <class Element>

@@ -27,12 +27,17 @@ struct BwdPlan {
   bool sm90 = false;
   // Offsets into the plan buffer (attention_bwd_plan's: token metadata only) ...
   size_t q_sum = 0, kv_sum = 0, kv_range = 0, kv_order = 0, kv_sum_dq = 0, q_range_dq = 0, q_order_dq = 0,
-         plan_bytes = 0;
+         dq_ascending = 0, plan_bytes = 0;
   // ... and into the per-call workspace.
   size_t delta = 0, lse2 = 0, q_ids = 0, dq_accum = 0, dq_ticket = 0, dq_sem = 0, dk_part = 0, dv_part = 0,
          bytes = 0;
   // Deterministic dQ: by the sm_80 dQ kernel (its own plan), or by the sm_90a kernel taking turns.
   bool sm80_dq = false, ordered_dq = false;
+  // The turns may go in increasing key tile order (bwd_turn_order_kernel decides): the sm_90a
+  // kernel at D 128 (96 is padded to it), whose blocks can walk their query tiles from the last.
+  // At D 64 (query tiles of 128) increasing was 4% slower on 2 x 8k single documents (H200); the
+  // split-D designs walk from the first, in decreasing order.
+  bool may_ascend = false;
 };
 
 BwdPlan bwd_plan(const AttentionArgs& a) {
@@ -75,6 +80,7 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   }
   r.sm80_dq = a.deterministic && !r.sm90;
   r.ordered_dq = a.deterministic && r.sm90;
+  r.may_ascend = r.ordered_dq && s.head_dim == 128 && s.v_dim() == s.head_dim;
   WorkspaceLayout pl;
   r.q_sum = pl.take(sizeof(TileSummary) * s.batch * r.nq);
   r.kv_sum = pl.take(sizeof(TileSummary) * s.batch * r.nkv);
@@ -85,6 +91,7 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
     r.q_range_dq = pl.take(sizeof(TileRange) * s.batch * r.nq);
     r.q_order_dq = pl.take(sizeof(int) * s.batch * r.nq);
   }
+  if (r.ordered_dq) r.dq_ascending = pl.take(sizeof(int));
   r.plan_bytes = pl.bytes;
   WorkspaceLayout w;
   r.delta = w.take(sizeof(float) * s.batch * s.q_heads * (r.sm90 ? r.sq_pad : s.q_len));
@@ -238,13 +245,16 @@ cudaError_t attention_bwd_plan(const AttentionArgs& a, const int32_t* q_seg, con
   if ((err = launch_tile_ranges(kv_sum, plan.nkv, kv_tok, q_sum, plan.nq, q_tok, s.batch, a.mask,
                                 /*rows_are_q=*/false, kv_range, stream)))
     return err;
-  // The deterministic sm_90a kernel's turns need blocks to start in decreasing key tile order.
-  const int index_order_max_work = plan.ordered_dq ? kDecreasingIndexOrder
-                                   : plan.sm90     ? detail::kBwdIndexOrderMaxQueries / plan.bm
-                                                   : 0;
-  if ((err = launch_tile_schedule(kv_range, s.batch * plan.nkv, index_order_max_work,
-                                  reinterpret_cast<int*>(base + plan.kv_order), stream)))
+  auto* kv_order = reinterpret_cast<int*>(base + plan.kv_order);
+  if (plan.ordered_dq) {  // the turns need blocks to start in their key tiles' turn order
+    if ((err = detail::launch_turn_order(kv_range, s.batch, plan.nkv, plan.may_ascend, kv_order,
+                                         reinterpret_cast<int*>(base + plan.dq_ascending), stream)))
+      return err;
+  } else if ((err = launch_tile_schedule(kv_range, s.batch * plan.nkv,
+                                         plan.sm90 ? detail::kBwdIndexOrderMaxQueries / plan.bm : 0, kv_order,
+                                         stream))) {
     return err;
+  }
   if (plan.sm80_dq) {
     auto* kv_sum_dq = reinterpret_cast<TileSummary*>(base + plan.kv_sum_dq);
     auto* q_range_dq = reinterpret_cast<TileRange*>(base + plan.q_range_dq);
@@ -298,6 +308,7 @@ cudaError_t attention_bwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.delta = reinterpret_cast<float*>(base + plan.delta);
   p.q_seg = q_seg; p.q_pos = q_pos; p.kv_seg = kv_seg; p.kv_pos = kv_pos;
   p.dq_accum = plan.sm80_dq ? nullptr : reinterpret_cast<float*>(base + plan.dq_accum);
+  p.dq_ascending = plan.ordered_dq ? reinterpret_cast<const int*>(plan_base + plan.dq_ascending) : nullptr;
   p.dq_ticket = plan.ordered_dq ? reinterpret_cast<int*>(base + plan.dq_ticket) : nullptr;
   p.dq_sem = plan.ordered_dq ? reinterpret_cast<int*>(base + plan.dq_sem) : nullptr;
   p.dq = dq; p.dk = dk; p.dv = dv;

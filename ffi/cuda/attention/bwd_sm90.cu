@@ -20,18 +20,21 @@
 // At the end dK and dV go through the K and V tiles' shared memory and leave by TMA stores.
 //
 // deterministic=True keeps all of this and fixes the order of the float32 adds
-// into each dQ tile: the key tiles that visit it add in decreasing order, each waiting for its
-// turn on a per-tile semaphore (its ticket: how many higher key tiles visit the tile, from
-// bwd_dq_ticket_kernel) and passing it on once its bulk add has completed. Blocks start in
-// decreasing key-tile order, so no turn waits on a block that has not started, and under causal
-// masks (windows, chunks) the higher key tiles reach a query tile first anyway (FlashAttention-3's
-// deterministic backward orders its dQ adds the same way). dK and dV need no turns: one block
+// into each dQ tile: the key tiles that visit it add in a fixed order, each waiting for its
+// turn on a per-tile semaphore (its ticket: how many key tiles before it visit the tile, from
+// bwd_dq_ticket_kernel) and passing it on once its bulk add has completed. Blocks start in that
+// key-tile order (bwd_turn_order_kernel), so no turn waits on a block that has not started. The
+// order is decreasing, each block walking its query tiles from the first: under causal masks
+// (windows, chunks) the higher key tiles then reach a query tile first (FlashAttention-3's
+// deterministic backward orders its dQ adds the same way). At D 128 with one document a row it
+// is increasing, each block walking from the last: the heaviest blocks start first, as in the
+// default kernel's schedule. dK and dV need no turns: one block
 // writes each key tile's (split GQA groups' partial sums are reduced in a fixed order).
 // bwd_plan gives each query head its own block where it can (keys no longer than the queries).
 // A block of several heads runs them innermost (every head of a query tile, then the next tile)
 // and takes one turn per query tile for all of them (on the semaphore of its first head): a turn
-// costs a wait on the semaphore, the adds' completion and a GPU-scope fence, and a turn per head
-// made 1x128k doc8k 32/8 7% slower (H200). At D 192 and 256 the consumers take turns per head.
+// costs a wait on the semaphore, the adds' completion and a GPU-scope fence. At D 192 and 256 the
+// consumers take turns per head.
 //
 // Multi-head latent attention (q/k 192, v 128: KT::kDv) runs V, dO, dP^T = V dO^T and dV at the
 // value head dim, Q, K, S^T, dK and dQ at the head dim.
@@ -192,29 +195,34 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   if (threadIdx.x == 0) {
     TxBarrier::init(&ss.kv_full, 1);
     if constexpr (kOrdered) {
-      for (int slot = 0; slot < 2; ++slot) {
-        cutlass::arch::ClusterBarrier::init(&ss.turns.taken_full[slot], 1);
-        cutlass::arch::ClusterBarrier::init(&ss.turns.taken_empty[slot], 1);
-        cutlass::arch::ClusterBarrier::init(&ss.turns.done_full[slot], 1);
-        cutlass::arch::ClusterBarrier::init(&ss.turns.done_empty[slot], 1);
-      }
+      ss.turns.taken.init();
+      ss.turns.done.init();
     }
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
   const BwdBlock w = bwd_block<BN>(p, blockIdx.x);
+  // The deterministic kernel's turns go in increasing key tile order when the plan says so (one
+  // document a row), and each block then walks its query tiles from the last: a lower key tile
+  // reaches a query tile no later than the next one (from the first, the next key tile would get
+  // there two steps earlier, and wait). Else decreasing order, walking from the first.
+  int di = 1;  // the deterministic kernel's walk: 1 from the first query tile, -1 from the last
+  if constexpr (kOrdered) di = *p.dq_ascending != 0 ? -1 : 1;
+  const int i_end = di > 0 ? w.range.y : w.range.x - 1;
   int cls_first = kSkip;
-  const int i_first = bwd_next_q_serial<BM>(p, w, w.range.x, cls_first);  // the same for every head
-  const bool any_work = w.h_begin < w.h_end && i_first < w.range.y;
+  const int i_first =  // the same for every head (an empty range is (0, 0): i_end in either direction)
+      kOrdered ? bwd_step_q_serial<BM>(p, w, di > 0 ? w.range.x : w.range.y - 1, di, i_end, cls_first)
+               : bwd_next_q_serial<BM>(p, w, w.range.x, cls_first);
+  const bool any_work = w.h_begin < w.h_end && i_first != i_end;
   // Steps run over (head, query tile): the query tiles of each head of the block's group, or in
   // the deterministic kernel (one turn per query tile for the group) the heads of each query tile.
   auto next_step = [&](int& h, int& i, int& c) {
     if constexpr (kOrdered) {  // heads inner: the group takes one turn per query tile
       if (++h < w.h_end) return true;
       h = w.h_begin;
-      i = bwd_next_q_serial<BM>(p, w, i + 1, c);
-      return i < w.range.y;
+      i = bwd_step_q_serial<BM>(p, w, i + di, di, i_end, c);
+      return i != i_end;
     }
     i = bwd_next_q_serial<BM>(p, w, i + 1, c);
     if (i >= w.range.y) {
@@ -243,9 +251,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // ---------------- dQ writer warp: a bulk reduce-add per warpgroup and step ----------------
         // Each warpgroup's half of the tile (its fragments) leaves as soon as it is in shared
         // memory, and its buffer is free again once read, whatever the other warpgroup does.
-        // Deterministic (kOrdered): a query tile's adds take turns, key tiles in decreasing order
-        // (blocks start in that order, so a turn never waits on a block that has not started;
-        // under causal masks the higher key tiles reach a query tile first anyway); the group's
+        // Deterministic (kOrdered): a query tile's adds take turns in key tile order (blocks
+        // start in that order, so a turn never waits on a block that has not started); the group's
         // turn is taken at its first head and passed on after its last head's adds are complete,
         // both by warps of their own (below), so that the writer never waits on global memory.
         constexpr int kHalf = BM * D / 2;  // floats
@@ -263,9 +270,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             if (threadIdx.x == 32) {
               if constexpr (kOrdered) {
                 if (half == 0 && hs == w.h_begin) {
-                  mbar_wait(&ss.turns.taken_full[taken % 2], (taken / 2) % 2);
-                  mbar_arrive(&ss.turns.taken_empty[taken % 2]);
-                  ++taken;
+                  ss.turns.taken.receive(taken++);
                   fence_proxy_async_global();  // the turn (generic proxy) before the adds (async)
                 }
               }
@@ -283,9 +288,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             if (threadIdx.x == 32 && hs == w.h_end - 1) {
               asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds are done, not just read
               fence_proxy_async_global();
-              mbar_wait(&ss.turns.done_empty[done % 2], ((done / 2) % 2) ^ 1);
-              mbar_arrive(&ss.turns.done_full[done % 2]);
-              ++done;
+              ss.turns.done.wait_free(done);
+              ss.turns.done.fill(done++);
             }
           }
           __syncwarp();
@@ -309,15 +313,12 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
             more = next_step(h, i, c);
             if (hs != (taker ? w.h_begin : w.h_end - 1)) continue;
             const DqTurn turn = dq_turn(p, w.b, w.h_begin, w.n_block, is);
-            const int slot = k % 2, parity = (k / 2) % 2;
-            ++k;
             if (taker) {
-              mbar_wait(&ss.turns.taken_empty[slot], parity ^ 1);
+              ss.turns.taken.wait_free(k);
               take_turn(turn.sem, turn.ticket);
-              mbar_arrive(&ss.turns.taken_full[slot]);
+              ss.turns.taken.fill(k++);
             } else {
-              mbar_wait(&ss.turns.done_full[slot], parity);
-              mbar_arrive(&ss.turns.done_empty[slot]);
+              ss.turns.done.receive(k++);
               release_turn(turn.sem, turn.ticket + 1);
             }
           } while (more);

@@ -136,11 +136,28 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDQSplitM>, Int<2 / kDQSplitM>, _1>>{}));
 
-  // The deterministic kernel's dQ turns, two slots each way (mbarriers): turns that the
-  // turn-taking warp holds for the writer warp (taken), and turns whose adds the writer has
-  // completed, for the turn-passing warp to pass on (done).
+  // A handoff of turns from one thread to another through two slots (mbarriers): the k-th turn
+  // goes through slot k % 2. The sender waits for a free slot (wait_free), then fills it; the
+  // receiver waits until it is filled and frees it (receive).
+  struct TurnHandoff {
+    uint64_t full[2], empty[2];
+    __device__ void init() {
+      for (int slot = 0; slot < 2; ++slot) {
+        cutlass::arch::ClusterBarrier::init(&full[slot], 1);
+        cutlass::arch::ClusterBarrier::init(&empty[slot], 1);
+      }
+    }
+    __device__ void wait_free(int k) { mbar_wait(&empty[k % 2], ((k / 2) % 2) ^ 1); }
+    __device__ void fill(int k) { mbar_arrive(&full[k % 2]); }
+    __device__ void receive(int k) {
+      mbar_wait(&full[k % 2], (k / 2) % 2);
+      mbar_arrive(&empty[k % 2]);
+    }
+  };
+  // The deterministic kernel's dQ turns: those the turn-taking warp holds for the writer warp
+  // (taken), and those whose adds the writer has completed, for the turn-passing warp (done).
   struct TurnSlots {
-    uint64_t taken_full[2], taken_empty[2], done_full[2], done_empty[2];
+    TurnHandoff taken, done;
   };
 
   struct SharedStorage : Base::CommonStorage {

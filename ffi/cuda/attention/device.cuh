@@ -84,9 +84,7 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
                                cudaStream_t stream);
 
 // order[0..n) = indices of ranges[0..n) by decreasing range length (heaviest blocks first), or
-// in increasing index when no range is longer than index_order_max_work (0: never), or in
-// decreasing index when index_order_max_work is kDecreasingIndexOrder.
-constexpr int kDecreasingIndexOrder = -1;
+// in increasing index when no range is longer than index_order_max_work (0: never).
 cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int index_order_max_work, int* order,
                                  cudaStream_t stream);
 

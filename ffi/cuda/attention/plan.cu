@@ -161,10 +161,6 @@ __global__ void __launch_bounds__(kSchedThreads) tile_schedule_kernel(
   __shared__ int warp_sum[kSchedThreads / 32];
   __shared__ int max_work;
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
-  if (index_order_max_work == kDecreasingIndexOrder) {
-    for (int64_t i = t; i < n; i += kSchedThreads) order[i] = static_cast<int>(n - 1 - i);
-    return;
-  }
   auto work_of = [&](int64_t i) {
     const TileRange r = ranges[i];
     return r.y > r.x ? r.y - r.x : 0;
