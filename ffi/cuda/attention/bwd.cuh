@@ -110,26 +110,26 @@ __forceinline__ __device__ int bwd_next_q(const BwdParams& p, const BwdBlock& w,
 
 // The same, one tile at a time, for a thread on its own: the sm_90a backward (its producer is
 // one thread, and the warp-wide search anywhere in that kernel raised the consumers' spills from
-// 84 to 236 bytes).
-template <int BM>
-__forceinline__ __device__ int bwd_next_q_serial(const BwdParams& p, const BwdBlock& w, int i, int& c) {
-  const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
-  for (; i < w.range.y; ++i) {
-    c = bwd_q_class<BM>(p, w, q_sum[i], i);
-    if (c != kSkip) break;
-  }
-  return i;
-}
-
-// The same in either direction: the first query tile from i on, stepping by di (1 or -1), that
-// block w does not skip, end (w.range.y or w.range.x - 1) if none; its class in c. (A direction
-// chosen at run time by arithmetic: a branch between the two walks in every step cost the
-// deterministic kernel 3-5% on packed documents, this 0.5-2%; H200.)
+// 84 to 236 bytes). In either direction: the first query tile from i on, stepping by di (1 or
+// -1), that block w does not skip, end (w.range.y or w.range.x - 1) if none; its class in c. (The
+// deterministic kernel's direction is chosen at run time, by this arithmetic: a branch between
+// two walks in every step cost it 3-5% on packed documents, this 0.5-2%; H200.)
 template <int BM>
 __forceinline__ __device__ int bwd_step_q_serial(const BwdParams& p, const BwdBlock& w, int i, int di, int end,
                                                  int& c) {
   const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
   for (; i != end; i += di) {
+    c = bwd_q_class<BM>(p, w, q_sum[i], i);
+    if (c != kSkip) break;
+  }
+  return i;
+}
+// Forward only, for the default kernel (the `<` compiles to other code than bwd_step_q_serial's
+// `!=`, and that kernel's code stays as measured).
+template <int BM>
+__forceinline__ __device__ int bwd_next_q_serial(const BwdParams& p, const BwdBlock& w, int i, int& c) {
+  const TileSummary* q_sum = p.q_sum + static_cast<int64_t>(w.b) * p.nq;
+  for (; i < w.range.y; ++i) {
     c = bwd_q_class<BM>(p, w, q_sum[i], i);
     if (c != kSkip) break;
   }

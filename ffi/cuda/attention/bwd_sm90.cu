@@ -203,11 +203,10 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
   __syncthreads();
 
   const BwdBlock w = bwd_block<BN>(p, blockIdx.x);
-  // The deterministic kernel's turns go in increasing key tile order when the plan says so (one
-  // document a row), and each block then walks its query tiles from the last: a lower key tile
-  // reaches a query tile no later than the next one (from the first, the next key tile would get
-  // there two steps earlier, and wait). Else decreasing order, walking from the first.
-  int di = 1;  // the deterministic kernel's walk: 1 from the first query tile, -1 from the last
+  // The deterministic kernel walks its query tiles from the last when its turns go in increasing
+  // key tile order (the plan's flag): a lower key tile then reaches a query tile no later than the
+  // next one (from the first, the next key tile would get there two steps earlier, and wait).
+  int di = 1;  // 1: from the first query tile, -1: from the last
   if constexpr (kOrdered) di = *p.dq_ascending != 0 ? -1 : 1;
   const int i_end = di > 0 ? w.range.y : w.range.x - 1;
   int cls_first = kSkip;
