@@ -41,12 +41,23 @@ def test_small_seq_auto_is_resolved_per_shape():
   assert dispatch.resolve(SmallSeqKernelOptions(), 2, 64, 12) == SmallSeqKernelOptions("lanes", "lanes")
   assert dispatch.resolve(SmallSeqKernelOptions(), 1, 128, 13) == SmallSeqKernelOptions("mma", "mma")
   assert dispatch.resolve(SmallSeqKernelOptions(), 1, 512, 12) == SmallSeqKernelOptions("mma", "mma")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 4) == SmallSeqKernelOptions("lanes", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 4) == SmallSeqKernelOptions("lanes", "lanes")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 256, 2) == SmallSeqKernelOptions("mma", "lanes")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 256, 3) == SmallSeqKernelOptions("mma", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 64, 5) == SmallSeqKernelOptions("mma", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 8, 64, 2) == SmallSeqKernelOptions("mma", "lanes")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 8, 64, 4) == SmallSeqKernelOptions("mma", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 8, 128, 2) == SmallSeqKernelOptions("mma", "mma")
+  assert dispatch.resolve(SmallSeqKernelOptions(), 32, 128, 4) == SmallSeqKernelOptions("mma", "lanes")
   assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 16) == SmallSeqKernelOptions("mma", "mma")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 4).bwd == "cuda_core"
+  assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 4).bwd == "lanes"
+  assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 8).bwd == "cuda_core"
   assert dispatch.resolve(SmallSeqKernelOptions(fwd="cuda_core"), 1, 64, 4) == SmallSeqKernelOptions("cuda_core", "lanes")
   assert not dispatch.available("fwd", "lanes", 1, 512, 16)
-  assert not dispatch.available("bwd", "lanes", 4, 64, 4)
+  assert dispatch.available("bwd", "lanes", 4, 64, 4)  # groups over 2 heads: up to 4 keys, D <= 256
+  assert dispatch.available("bwd", "lanes", 32, 256, 2)
+  assert not dispatch.available("bwd", "lanes", 4, 64, 5)
+  assert not dispatch.available("bwd", "lanes", 3, 512, 2)
   assert not dispatch.available("bwd", "mma", 32, 64, 4)
   assert dispatch.available("bwd", "cuda_core", 32, 64, 4)
 

@@ -774,7 +774,7 @@ def test_cpu_default_always_runs_the_kernel():
 @pytest.mark.gpu
 @pytest.mark.parametrize("skv,hq,hkv,want", [(1, 8, 8, None), (1, 4, 2, None), (1, 8, 2, None),
                                              (4, 8, 8, "fwd = 3"), (16, 8, 8, "fwd = 1"),
-                                             (4, 16, 4, "bwd = 1")])
+                                             (4, 16, 4, "bwd = 3"), (8, 16, 4, "bwd = 1")])
 def test_gpu_default_dispatch_in_hlo(skv, hq, hkv, want):
   """implementation=None: padded rows of one key run the pure-JAX path (no custom call; ragged
   rows too: test_gpu_default_ragged_one_key_runs_no_kernel);

@@ -1,10 +1,11 @@
 """GPU tests of the CUDA small-seq backward kernel families (SmallSeqKernelOptions(bwd=...)): the
 tensor-core backward ("mma", groups up to 16 heads), the float32 CUDA-core backward ("cuda_core")
-and the lane-group backward ("lanes", groups of 1 or 2 heads whose K/V fit its registers).
+and the lane-group backward ("lanes": groups of 1 or 2 heads whose K/V fit its registers, larger
+groups up to 4 keys at D <= 256, their heads streamed through one lane group).
 
 Each must agree with "cuda_core" and with the gradients of the pure-JAX reference: zero-length
 rows (dq exactly zero), tokens no row attends (dk, dv exactly zero), clamped lengths / starts,
-key masks, GQA groups (one and two head tiles, and over 16 heads, where only cuda_core runs), max_len 1..16 (one and two token tiles), head dims 64..512, bfloat16 and float16, and
+key masks, GQA groups (one and two head tiles, and over 16 heads, where mma does not run), max_len 1..16 (one and two token tiles), head dims 64..512, bfloat16 and float16, and
 float16 gradients whose dS would overflow float16 without the kernel's power-of-two scaling.
 The saved probabilities of tokens not attended are NaN: the kernels must never use them.
 """
@@ -82,13 +83,17 @@ def _padded_case(rng, dtype, d, s, hq, hkv, b, v_scale=1.0, dout_scale=1.0):
     (jnp.float16, 64, 1, 2, 2, 500),
     (jnp.bfloat16, 128, 16, 32, 2, 300),   # group 16: two head tiles
     (jnp.float16, 256, 5, 24, 2, 200),     # group 12: a partial second head tile
-    (jnp.bfloat16, 128, 3, 64, 2, 200),    # group 32: only cuda_core
+    (jnp.bfloat16, 128, 3, 64, 2, 200),    # group 32: cuda_core and lanes (not mma)
     (jnp.bfloat16, 64, 12, 4, 2, 1000),    # lanes: group 2, 12 keys in its 12-token registers
     (jnp.float16, 128, 10, 3, 3, 999),     # lanes: 10 keys in its 12-token registers
     (jnp.bfloat16, 64, 14, 2, 1, 700),     # lanes: group 2, 14 keys in its 16-token registers
     (jnp.float16, 512, 8, 2, 2, 300),      # lanes: D 512 (two chunks per lane), 8 keys
     (jnp.bfloat16, 256, 2, 1, 1, 1000),    # lanes: one head, one lane group per warp
     (jnp.bfloat16, 128, 7, 3, 3, 999),     # lanes: two tasks per warp, the last warp half empty
+    (jnp.bfloat16, 64, 4, 16, 4, 1000),    # lanes, group 4: four tasks per warp, heads streamed
+    (jnp.float16, 128, 3, 9, 3, 999),      # lanes, group 3, odd max_len, the last warp half empty
+    (jnp.float16, 256, 2, 24, 2, 300),     # lanes, group 12, one lane group per warp
+    (jnp.bfloat16, 64, 1, 32, 4, 500),     # lanes, group 8, one key
 ])
 def test_gpu_bwd_variants_padded(dtype, d, s, hq, hkv, b):
   rng = np.random.default_rng(41)
@@ -97,40 +102,41 @@ def test_gpu_bwd_variants_padded(dtype, d, s, hq, hkv, b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v_scale,dout_scale", [(3.0, 3e3), (1.0, 1e-3)])
-def test_gpu_bwd_variants_f16_range(v_scale, dout_scale):
+@pytest.mark.parametrize("v_scale,dout_scale,s", [(3.0, 3e3, 16), (1.0, 1e-3, 16), (3.0, 3e3, 4)])
+def test_gpu_bwd_variants_f16_range(v_scale, dout_scale, s):
   """|dS| up to ~1e5, past float16's range (the gradients stay inside it), and small gradients
-  (|dS| down to ~1e-8)."""
+  (|dS| down to ~1e-8); 4 keys: the lane-group backward of a group of 4 too."""
   rng = np.random.default_rng(42)
-  q, k, v, dout, index, valid = _padded_case(rng, jnp.float16, 128, 16, 16, 4, 500, v_scale,
+  q, k, v, dout, index, valid = _padded_case(rng, jnp.float16, 128, s, 16, 4, 500, v_scale,
                                              dout_scale)
-  config = SmallSeqConfig(128 ** -0.5, 16, False)
+  config = SmallSeqConfig(128 ** -0.5, s, False)
   _check(jnp.float16, q, k, v, dout, index, config, valid)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,d,hq,hkv", [(jnp.bfloat16, 128, 8, 8), (jnp.bfloat16, 64, 16, 4),
-                                            (jnp.float16, 256, 6, 2), (jnp.bfloat16, 512, 4, 1),
-                                            (jnp.float16, 128, 16, 1)])
-def test_gpu_bwd_variants_ragged(dtype, d, hq, hkv):
+@pytest.mark.parametrize("dtype,d,hq,hkv,s", [(jnp.bfloat16, 128, 8, 8, 16), (jnp.bfloat16, 64, 16, 4, 16),
+                                              (jnp.float16, 256, 6, 2, 16), (jnp.bfloat16, 512, 4, 1, 16),
+                                              (jnp.float16, 128, 16, 1, 16), (jnp.bfloat16, 64, 16, 4, 4),
+                                              (jnp.float16, 256, 6, 2, 3)])
+def test_gpu_bwd_variants_ragged(dtype, d, hq, hkv, s):
   rng = np.random.default_rng(43)
   b = 600
-  lens = rng.integers(0, 21, b)  # zero-length rows and rows over 16 tokens
-  lens[5] = 20
+  lens = rng.integers(0, s + 5, b)  # zero-length rows and rows over s tokens
+  lens[5] = s + 4
   start = (5 + np.concatenate([[0], np.cumsum(lens)[:-1]])).astype(np.int32)  # 5 tokens before
   t = int(start[-2]) + 2  # row b - 2 runs past the last token
   length = lens.astype(np.int32)
-  length[3], length[5], length[-2] = -4, 40, 9  # clamped into [0, 16], then [0, T - start]
+  length[3], length[5], length[-2] = -4, 40, 9  # clamped into [0, s], then [0, T - start]
   start[-1], length[-1] = t + 7, 5              # starts past the end: clamped to T, no token
   mask = np.full(b, -1, np.int32)
   mask[::7] = rng.integers(0, 1 << 16, len(mask[::7]))
   q = rand(rng, (b, hq, d), dtype)
   k, v = rand(rng, (t, hkv, d), dtype), rand(rng, (t, hkv, d), dtype)
   dout = rand(rng, (b, hq, d), dtype)
-  config = SmallSeqConfig(0.7 * d ** -0.5, 16, True)
+  config = SmallSeqConfig(0.7 * d ** -0.5, s, True)
   st = np.clip(start, 0, t)
-  ln = np.minimum(np.clip(length, 0, 16), t - st)
-  valid = (np.arange(16)[None, :] < ln[:, None]) & token_mask_bits(mask, 16)
+  ln = np.minimum(np.clip(length, 0, s), t - st)
+  valid = (np.arange(s)[None, :] < ln[:, None]) & token_mask_bits(mask, s)
   index = tuple(jnp.asarray(x) for x in (start, length, mask))
   _check(dtype, q, k, v, dout, index, config, valid)
 

@@ -6,11 +6,12 @@
 //
 // Kernel families (SmallSeqKernel, named by SmallSeqArgs::kernel; the Python layer picks them,
 // src/jaxcp/_src/small_seq/dispatch.py):
-// - lanes (fwd_lanes.cuh, bwd_lanes.cuh): D/8 lanes per task, K/V in registers, float32 math;
+// - lanes (fwd_lanes.cuh; bwd_lanes.cuh for groups of 1-2 heads, bwd_lanes_gqa.cuh above): D/8
+//   lanes per task, K/V in registers, float32 math;
 // - mma (fwd_mma.cuh, bwd_mma.cuh): one warp per task, math on tensor cores (mma.sync);
-// - cuda_core (fwd_cuda_core.cuh, bwd_cuda_core.cuh): one warp per task, float32 math; the only
-//   backward for GQA groups of more than 16 heads (the tensor-core one keeps the dS of at most 16
-//   heads in registers).
+// - cuda_core (fwd_cuda_core.cuh, bwd_cuda_core.cuh): one warp per task, float32 math; with
+//   lanes, the backward for GQA groups of more than 16 heads (the tensor-core one keeps the dS of
+//   at most 16 heads in registers).
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -18,6 +19,7 @@
 
 #include "bwd_cuda_core.cuh"
 #include "bwd_lanes.cuh"
+#include "bwd_lanes_gqa.cuh"
 #include "bwd_mma.cuh"
 #include "fwd_cuda_core.cuh"
 #include "fwd_lanes.cuh"
@@ -144,10 +146,13 @@ int lanes_tokens(int64_t max_len) {
 }
 
 // Whether the lane-group kernels hold a task's K/V in registers: 2 x NT x D/8/L chunks of 16
-// bytes per lane, at most 32 (D = 512 up to 8 tokens); the backward also the group's P and dS,
-// for groups of 1 or 2 query heads. dispatch.py has the same limits.
+// bytes per lane, at most 32 (D = 512 up to 8 tokens). The backward also holds, for groups of 1
+// or 2 query heads, the group's P and dS; for larger groups (bwd_lanes_gqa.cuh) float32 dK/dV of
+// every token: up to 4 tokens of one chunk per lane (D <= 256). dispatch.py has the same limits.
 bool lanes_fwd_fits(const SmallSeqArgs& a) { return a.head_dim <= 256 || a.max_len <= 8; }
-bool lanes_bwd_fits(const SmallSeqArgs& a, int group) { return lanes_fwd_fits(a) && group <= 2; }
+bool lanes_bwd_fits(const SmallSeqArgs& a, int group) {
+  return group <= 2 ? lanes_fwd_fits(a) : a.head_dim <= 256 && a.max_len <= 4;
+}
 
 // Calls f(std::integral_constant<int, NT>) for the max_len's NT.
 template <typename F>
@@ -190,11 +195,17 @@ cudaError_t bwd_lanes(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
   if (!lanes_bwd_fits(a, p.group)) return cudaErrorInvalidValue;
   return with_tokens(a.max_len, [&](auto nt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
+    constexpr int L = Lanes<D>::kL;
     if constexpr (D == 512 && NT > 8) {
       return cudaErrorInvalidValue;
+    } else if (p.group == 1) {
+      return launch_lanes(small_seq_bwd_lanes_kernel<T, D, NT, 1>, a, L, p, s);
+    } else if (p.group == 2) {
+      return launch_lanes(small_seq_bwd_lanes_kernel<T, D, NT, 2>, a, L, p, s);
+    } else if constexpr (D <= 256 && NT <= 4) {
+      return launch_lanes(small_seq_bwd_lanes_gqa_kernel<T, D, NT>, a, L, p, s);
     } else {
-      return p.group == 1 ? launch_lanes(small_seq_bwd_lanes_kernel<T, D, NT, 1>, a, Lanes<D>::kL, p, s)
-                          : launch_lanes(small_seq_bwd_lanes_kernel<T, D, NT, 2>, a, Lanes<D>::kL, p, s);
+      return cudaErrorInvalidValue;
     }
   });
 }

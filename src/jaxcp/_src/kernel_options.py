@@ -47,7 +47,8 @@ class SmallSeqKernelOptions:
     "mma": one warp per (row, key/value head), the math on tensor cores;
     "cuda_core": one warp per (row, key/value head), float32 math on the CUDA cores;
     "lanes": D/8 lanes per (row, key/value head) holding its K/V in registers, float32 math
-      (forward: head dims 64-256, and 512 up to 8 keys; backward: groups of 1 or 2 query heads).
+      (forward: head dims 64-256, and 512 up to 8 keys; backward: the same for groups of 1 or 2
+      query heads, larger groups up to 4 keys at head dims up to 256).
   A family that cannot run a shape fails the call (cudaErrorInvalidValue).
   """
   fwd: str = "auto"

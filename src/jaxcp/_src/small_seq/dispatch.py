@@ -5,8 +5,9 @@ and reaches the CUDA handler as the FFI attribute ``kernel`` (visible in the HLO
 Families (ffi/cuda/small_seq/launch.cu):
   lanes     : D/8 lanes per (row, key/value head), K/V in registers, float32 math. Its registers
               hold 2 x NT x D/8/L chunks (NT = max_len rounded up to 2, 4, 8, 12, 16; L = min(32,
-              D/8) lanes), so D = 512 only up to 8 keys; the backward also holds the group's P
-              and dS: groups of 1 or 2 query heads.
+              D/8) lanes), so D = 512 only up to 8 keys; the backward also holds, for groups of
+              1 or 2 query heads, the group's P and dS, and for larger groups float32 dK/dV of
+              every token (the heads stream through): up to 4 keys at D <= 256.
   mma       : one warp per (row, key/value head), math on tensor cores; backward groups <= 16.
   cuda_core : one warp per (row, key/value head), float32 math; any group.
 Rule (measured on 4 x H200, 2026-11-27: benchmarks/README.md, small-sequence attention, "Shape
@@ -19,7 +20,15 @@ sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
     keys, mma above (forward and backward);
   - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
     otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128;
-  - larger groups: mma (cuda_core for backward groups over 16).
+  - groups over 2 heads, backward (heads streamed through the lane group; one H200, 2026-11-29,
+    padded): groups of 3-4 (B 262144; 4/1, 6/2, 8/2 heads), lanes over mma at 2 keys 0.51-0.53x
+    (D 64), 0.65-0.77x (D 128), 0.81-0.92x (D 256); at 4 keys 0.66-0.78x (D 64), 0.89-1.02x
+    (D 128), 1.22x (D 256, 4/1) -> lanes up to 2 keys at D <= 256 and up to 4 keys at D <= 128.
+    Groups of 8 (B 65536; 32/4, 16/2): 0.82-0.83x at 2 keys of D 64, 1.12-1.32x at 4 keys or
+    D 128 -> lanes only at up to 2 keys of D 64 (groups of 5-16). Groups of 32 (32/1, no mma):
+    lanes over cuda_core 0.80-0.89x at D 128, 0.97x / 1.04x at 2 / 4 keys of D 64 -> lanes
+    wherever it runs (groups over 16);
+  - otherwise: mma (cuda_core for backward groups over 16 where lanes does not run).
 `prefer_one_key_path`: rows of one key (padded or ragged, any group) take the pure-JAX one-key
 path (one_key.py: V where the key is allowed, without reading Q or K; the ragged backward gathers
 dO through a token -> row map instead of scatter-adding; from one_key.PAIRS_MIN_ROWS rows it moves
@@ -36,6 +45,7 @@ import dataclasses
 from ..kernel_options import SmallSeqKernelOptions
 
 LANES_MAX_GROUP = 2  # the lane-group backward's register arrays hold 1 or 2 heads' P and dS
+LANES_GQA_BWD_MAX_LEN, LANES_GQA_BWD_MAX_DIM = 4, 256  # larger groups: float32 dK/dV per token
 LANES_MAX_LEN = 12  # above this many keys (its 16-token registers) mma ties or wins
 LANES_GQA_MAX_GROUP, LANES_GQA_MAX_LEN, LANES_GQA_MAX_DIM = 4, 4, 128  # lanes forward for GQA
 MMA_BWD_MAX_GROUP = 16  # the tensor-core backward keeps the dS of at most 16 heads in registers
@@ -49,7 +59,9 @@ def lanes_fit(head_dim: int, max_len: int) -> bool:
 def available(direction: str, family: str, group: int, head_dim: int, max_len: int) -> bool:
   """Whether `family` can run the forward ("fwd") or backward ("bwd") of this shape."""
   if family == "lanes":
-    return lanes_fit(head_dim, max_len) and (direction == "fwd" or group <= LANES_MAX_GROUP)
+    if direction == "fwd" or group <= LANES_MAX_GROUP:
+      return lanes_fit(head_dim, max_len)
+    return max_len <= LANES_GQA_BWD_MAX_LEN and head_dim <= LANES_GQA_BWD_MAX_DIM
   if family == "mma":
     return direction == "fwd" or group <= MMA_BWD_MAX_GROUP
   return family == "cuda_core"
@@ -63,8 +75,21 @@ def default_fwd(group: int, head_dim: int, max_len: int) -> str:
   return "mma"
 
 
+def _lanes_bwd_wins(group: int, head_dim: int, max_len: int) -> bool:
+  """Where the lane-group backward beat the other families (the module docstring's figures)."""
+  if group <= LANES_MAX_GROUP:
+    return max_len <= LANES_MAX_LEN and lanes_fit(head_dim, max_len)
+  if not available("bwd", "lanes", group, head_dim, max_len):
+    return False
+  if group <= 4:
+    return max_len <= 2 or head_dim <= 128
+  if group <= MMA_BWD_MAX_GROUP:  # its float32 work grows with the group; mma's hardly
+    return max_len <= 2 and head_dim <= 64
+  return True  # against cuda_core
+
+
 def default_bwd(group: int, head_dim: int, max_len: int) -> str:
-  if max_len <= LANES_MAX_LEN and available("bwd", "lanes", group, head_dim, max_len):
+  if _lanes_bwd_wins(group, head_dim, max_len):
     return "lanes"
   return "mma" if group <= MMA_BWD_MAX_GROUP else "cuda_core"
 
