@@ -5,9 +5,9 @@
 //   dS_j = P_hj (dP_j - delta), dQ_h = scale sum_j dS_j K_j (written at once),
 //   dK_j += dS_j Q_h, dV_j += P_hj dO_h.
 // The registers grow with the tokens (NT = 2 or 4, one 16-byte chunk per lane: D <= 256), not
-// with the group, unlike bwd_lanes.cuh's, which holds all of the group's P and dS. With one warp
-// per task (mma, cuda_core), a group of 4 heads over 2-4 keys of D 64 kept too few bytes in
-// flight: here a warp serves 32 / L tasks.
+// with the group, unlike bwd_lanes.cuh's, which holds all of the group's P and dS. The
+// tensor-core and CUDA-core backwards give a task a warp; here a warp serves 32 / L tasks (four
+// at D 64).
 #pragma once
 #include "lanes.cuh"
 

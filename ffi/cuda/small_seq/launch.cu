@@ -6,8 +6,8 @@
 //
 // Kernel families (SmallSeqKernel, named by SmallSeqArgs::kernel; the Python layer picks them,
 // src/jaxcp/_src/small_seq/dispatch.py):
-// - lanes (fwd_lanes.cuh; bwd_lanes.cuh for groups of 1-2 heads, bwd_lanes_gqa.cuh above): D/8
-//   lanes per task, K/V in registers, float32 math;
+// - lanes (fwd_lanes.cuh; bwd_lanes.cuh for groups of 1-2 heads, bwd_lanes_gqa.cuh for larger
+//   groups): D/8 lanes per task, K/V in registers, float32 math;
 // - mma (fwd_mma.cuh, bwd_mma.cuh): one warp per task, math on tensor cores (mma.sync);
 // - cuda_core (fwd_cuda_core.cuh, bwd_cuda_core.cuh): one warp per task, float32 math; with
 //   lanes, the backward for GQA groups of more than 16 heads (the tensor-core one keeps the dS of
