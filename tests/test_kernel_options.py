@@ -62,6 +62,18 @@ def test_small_seq_auto_is_resolved_per_shape():
   assert dispatch.available("bwd", "cuda_core", 32, 64, 4)
 
 
+def test_small_seq_rule_names_a_family_that_runs_the_shape():
+  """Over every group (1-64 heads), head dim and key count the kernels take, "auto" resolves to a
+  family that can run the shape (one that cannot would fail the call on the GPU)."""
+  from jaxcp._src.small_seq import dispatch
+  for group in range(1, 65):
+    for head_dim in (64, 128, 256, 512):
+      for max_len in range(1, 17):
+        shape = (group, head_dim, max_len)
+        assert dispatch.available("fwd", dispatch.default_fwd(*shape), *shape), shape
+        assert dispatch.available("bwd", dispatch.default_bwd(*shape), *shape), shape
+
+
 def test_entry_points_check_the_options_type():
   with pytest.raises(ValueError, match="AttentionKernelOptions"):
     attention_with_options(Q, K, K, kernel_options=SmallSeqKernelOptions())
