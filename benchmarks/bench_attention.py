@@ -520,14 +520,19 @@ def main(argv=None):
     meta["matmul_bf16_tflops"] = common.measure_matmul_tflops()
     meta["copy_gbps"] = common.measure_copy_gbps()
   results = []
+
+  def save():  # after every case: a run cut short (a device call's time limit) keeps what it measured
+    md = markdown(meta, results)
+    return common.write_results(name, dict(meta=meta, results=results, summary=ratio_summary(results)), md,
+                                args.out), md
+
+  out_dir, md = save()
   for case in cases:
     r = run_case(case, dtype, quick, args.static_tokens_per_doc, fa3)
     results.append(r)
     tflops = {k: "/".join(_fmt(r[k], key) for key in TFLOPS_KEYS) for k in ("jaxcp",) + PEERS if k in r}
     print(f"{case.name} (fwd/fwd+bwd/bwd): " + ", ".join(f"{k} {t}" for k, t in tflops.items()), flush=True)
-
-  md = markdown(meta, results)
-  out_dir = common.write_results(name, dict(meta=meta, results=results, summary=ratio_summary(results)), md, args.out)
+    out_dir, md = save()
   _plot(results, out_dir, name)
   print(md)
 
