@@ -151,3 +151,28 @@ def test_bench_attention_only_takes_several_substrings(tmp_path):
   module = _run_quick("bench_attention", tmp_path, "--only", "no such case,1x512")
   data = json.loads((tmp_path / "attention_cpu.json").read_text())
   assert [r["case"]["name"] for r in data["results"]] == [module.QUICK_CASES[1].name]
+
+
+def test_bench_attention_keeps_the_cases_before_a_failure(tmp_path, monkeypatch):
+  """A run that stops after its first case (here the second raises, as a time limit would cut it)
+  has already written that case's results."""
+  sys.path.insert(0, BENCH)
+  try:
+    module = importlib.import_module("bench_attention")
+    real, calls = module.run_case, []
+
+    def run_case(*args, **kwargs):
+      calls.append(1)
+      if len(calls) > 1:
+        raise KeyboardInterrupt("cut short")
+      return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "run_case", run_case)
+    try:
+      module.main(["--quick", "--out", str(tmp_path)])
+    except KeyboardInterrupt:
+      pass
+  finally:
+    sys.path.remove(BENCH)
+  data = json.loads((tmp_path / "attention_cpu.json").read_text())
+  assert [r["case"]["name"] for r in data["results"]] == [module.QUICK_CASES[0].name]
