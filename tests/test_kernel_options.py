@@ -37,19 +37,25 @@ def test_small_seq_auto_is_resolved_per_shape():
   from jaxcp._src.small_seq import dispatch
   with pytest.raises(ValueError, match="auto"):
     SmallSeqKernelOptions().ffi_attrs()
-  assert dispatch.resolve(SmallSeqKernelOptions(), 1, 128, 8) == SmallSeqKernelOptions("lanes", "lanes")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 2, 64, 12) == SmallSeqKernelOptions("lanes", "lanes")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 1, 128, 13) == SmallSeqKernelOptions("mma", "mma")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 1, 512, 12) == SmallSeqKernelOptions("mma", "mma")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 4) == SmallSeqKernelOptions("lanes", "lanes")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 256, 2) == SmallSeqKernelOptions("mma", "lanes")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 256, 3) == SmallSeqKernelOptions("mma", "mma")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 64, 5) == SmallSeqKernelOptions("mma", "mma")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 8, 64, 2) == SmallSeqKernelOptions("mma", "lanes")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 8, 64, 4) == SmallSeqKernelOptions("mma", "mma")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 8, 128, 2) == SmallSeqKernelOptions("mma", "mma")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 32, 128, 4) == SmallSeqKernelOptions("mma", "lanes")
-  assert dispatch.resolve(SmallSeqKernelOptions(), 4, 128, 16) == SmallSeqKernelOptions("mma", "mma")
+  # (group, head dim, keys): (forward family, backward family)
+  rule = {
+      (1, 128, 8): ("lanes", "lanes"),
+      (2, 64, 12): ("lanes", "lanes"),
+      (1, 128, 13): ("mma", "mma"),
+      (1, 512, 12): ("mma", "mma"),
+      (4, 128, 4): ("lanes", "lanes"),
+      (4, 256, 2): ("mma", "lanes"),
+      (4, 256, 3): ("mma", "mma"),
+      (4, 64, 5): ("mma", "mma"),
+      (8, 64, 2): ("mma", "lanes"),
+      (8, 64, 4): ("mma", "mma"),
+      (8, 128, 2): ("mma", "mma"),
+      (32, 128, 4): ("mma", "lanes"),
+      (4, 128, 16): ("mma", "mma"),
+  }
+  for (group, dim, keys), (fwd, bwd) in rule.items():
+    got = dispatch.resolve(SmallSeqKernelOptions(), group, dim, keys)
+    assert got == SmallSeqKernelOptions(fwd, bwd), (group, dim, keys, got)
   assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 4).bwd == "lanes"
   assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 8).bwd == "cuda_core"
   assert dispatch.resolve(SmallSeqKernelOptions(fwd="cuda_core"), 1, 64, 4) == SmallSeqKernelOptions("cuda_core", "lanes")
