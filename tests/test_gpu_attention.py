@@ -240,6 +240,20 @@ def test_backward_key_tile_orders(doc):
   _compare(*_qkv(7, 1, s, s, 4, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
 
 
+def test_backward_gqa_blocks_in_index_order():
+  """GQA blocks of several query heads take their key tiles in index order (bwd_plan's
+  index_order), where blocks of one head would run heaviest first. Small problems split the
+  group into one head a block, so this one has enough key tiles for two heads a block on 132
+  multiprocessors (4 rows of 33 key tiles x 2 kv heads = 264 blocks, group of 4 split in 2), and
+  a single document of 4224 tokens in one row: its first key tile walks 66 query tiles, more than
+  the light-tile rule's 64."""
+  rng = np.random.default_rng(5)
+  s = 4224
+  seg = random_segments(rng, 4, s, mean_doc=1500)
+  seg[0] = 1
+  _compare(*_qkv(22, 4, s, s, 8, 2, 128, jnp.bfloat16), jnp.bfloat16, segment_ids=seg, is_causal=True)
+
+
 @pytest.mark.parametrize("head_dim", [32, 80, 96, 192])
 def test_head_dims_between_tile_widths(head_dim):
   """Head dims other than 64/128/256 run zero-padded to the next tile width: forward, LSE and
