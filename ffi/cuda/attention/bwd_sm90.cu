@@ -478,6 +478,17 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       const int q_rows = static_cast<int>(p.Sq - q0 < BM ? p.Sq - q0 : BM);
       const float* lse2 = ss.lse2.data() + st * BM;
       const float* delta = ss.delta.data() + st_do * BM;
+      // dS^T = P^T (dP^T - delta) into acc_dp; p_pair(e): P^T's fragment elements 2e and 2e + 1
+      // (adjacent queries of one key).
+      auto ds_from = [&](auto p_pair) {
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc_dp); e += 2) {
+          const float2 pt = p_pair(e);
+          const float2 dl = *reinterpret_cast<const float2*>(delta + get<1>(tScS(e)));
+          acc_dp(e) = pt.x * (acc_dp(e) - dl.x);
+          acc_dp(e + 1) = pt.y * (acc_dp(e + 1) - dl.y);
+        }
+      };
       // Query masks of a partial tile: thread k of the warpgroup builds query k's into shared
       // memory, double-buffered by the parity of the partial tile, from the (segment, position)
       // the producer loaded with Q (no global loads here: behind the dQ reductions, they waited).
@@ -520,12 +531,7 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         // float32 tiles spills 7 more registers in the loop; the order is still faster there.)
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dp);
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc_dp); e += 2) {
-          const float2 dl = *reinterpret_cast<const float2*>(delta + get<1>(tScS(e)));
-          acc_dp(e) = acc_s(e) * (acc_dp(e) - dl.x);
-          acc_dp(e + 1) = acc_s(e + 1) * (acc_dp(e + 1) - dl.y);
-        }
+        ds_from([&](int e) { return make_float2(acc_s(e), acc_s(e + 1)); });
         convert_into(rP, acc_s);
         convert_into(rdS, acc_dp);
         copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
@@ -565,15 +571,8 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
         wgmma_issue<false>(mma_dv, wg_dv.partition_fragment_A(sPt)(_, _, _, ds_stage), tdVrdO(_, _, _, st_do), acc_dv);
         warpgroup_wait<1>();
         warpgroup_fence_operand(acc_dp);
-        // dS^T = P^T (dP^T - delta). A fragment's elements 2e and 2e + 1 are adjacent queries of one
-        // key, one 32-bit pair of P^T, unpacked whole (unpack_pair).
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc_dp); e += 2) {
-          const float2 pt = unpack_pair<Element>(reinterpret_cast<const uint32_t*>(rP.data())[e / 2]);
-          const float2 dl = *reinterpret_cast<const float2*>(delta + get<1>(tScS(e)));
-          acc_dp(e) = pt.x * (acc_dp(e) - dl.x);
-          acc_dp(e + 1) = pt.y * (acc_dp(e + 1) - dl.y);
-        }
+        // dS^T from the 16-bit P^T: each pair of elements is one 32-bit word, unpacked whole.
+        ds_from([&](int e) { return unpack_pair<Element>(reinterpret_cast<const uint32_t*>(rP.data())[e / 2]); });
         convert_into(rdS, acc_dp);
         // dS^T of both warpgroups' queries -> shared memory; then dQ = dS K and dK += dS^T Q.
         copy(copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
