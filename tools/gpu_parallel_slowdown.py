@@ -22,19 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench_cp  # noqa: E402
 import common  # noqa: E402
 import doc_mixes  # noqa: E402
 
-import jaxcp  # noqa: E402
-
 
 BURST = 8  # calls in flight per GPU before waiting (their outputs stay alive until then)
-
-
-def step(q, k, v, do, seg, pos):
-  f = lambda q, k, v: jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=True)
-  out, vjp = jax.vjp(f, q, k, v)
-  return (out, *vjp(do))
 
 
 def arrays(seq, mix, hq, hkv, d=128, seed=0):
@@ -77,7 +70,7 @@ def main():
   fns, args = [], []
   for dev in devs:
     args.append([jax.device_put(x, dev) for x in host])
-    fns.append(jax.jit(step))
+    fns.append(jax.jit(bench_cp._fwd_bwd("auto")))  # bench_cp's one-GPU step
   alone, s_alone = [], {}
   for g, (f, x) in enumerate(zip(fns, args)):
     t = common.time_fn(f, *x, warmup=2, reps=3)
