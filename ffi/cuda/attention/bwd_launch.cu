@@ -19,8 +19,9 @@ namespace {
 // not for GQA: a block walks every query head of its group, so sorted by work the blocks running
 // together (one key tile of every document) visit G heads' Q / dO / dQ tiles of every document,
 // more than L2 holds (H200, 1 x 128k, documents of 8k, 32/8: L2 hit rate 83%; 97% in index
-// order, FlashAttention-3's 98%). In index order they run through a few documents at a time
-// (bwd_plan's index_order).
+// order, FlashAttention-3's 98%). They run document by document instead, heaviest document
+// first (bwd_plan's by_document: launch_document_schedule), so that the last blocks to start are
+// short ones.
 constexpr int kBwdIndexOrderMaxQueries = 4096;
 
 }  // namespace
@@ -43,7 +44,7 @@ struct BwdPlan {
   // At D 64 (query tiles of 128) increasing was 4% slower on 2 x 8k single documents (H200); the
   // split-D designs walk from the first, in decreasing order.
   bool may_ascend = false;
-  bool index_order = false;  // sm_90a default kernel, several query heads a block: key tiles in index order
+  bool by_document = false;  // sm_90a default kernel, several query heads a block: documents heaviest first
 };
 
 BwdPlan bwd_plan(const AttentionArgs& a) {
@@ -87,7 +88,7 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   r.sm80_dq = a.deterministic && !r.sm90;
   r.ordered_dq = a.deterministic && r.sm90;
   r.may_ascend = r.ordered_dq && s.head_dim == 128 && s.v_dim() == s.head_dim;
-  r.index_order = r.sm90 && !r.ordered_dq && G / r.splits > 1;
+  r.by_document = r.sm90 && !r.ordered_dq && G / r.splits > 1;
   WorkspaceLayout pl;
   r.q_sum = pl.take(sizeof(TileSummary) * s.batch * r.nq);
   r.kv_sum = pl.take(sizeof(TileSummary) * s.batch * r.nkv);
@@ -257,12 +258,11 @@ cudaError_t attention_bwd_plan(const AttentionArgs& a, const int32_t* q_seg, con
     if ((err = detail::launch_turn_order(kv_range, s.batch, plan.nkv, plan.may_ascend, kv_order,
                                          reinterpret_cast<int*>(base + plan.dq_ascending), stream)))
       return err;
-  } else if ((err = launch_tile_schedule(kv_range, s.batch * plan.nkv,
-                                         plan.index_order ? INT_MAX
-                                         : plan.sm90      ? detail::kBwdIndexOrderMaxQueries / plan.bm
-                                                          : 0,
-                                         kv_order,
-                                         stream))) {
+  } else if ((err = plan.by_document
+                        ? launch_document_schedule(kv_range, s.batch * plan.nkv, plan.nkv, kv_order, stream)
+                        : launch_tile_schedule(kv_range, s.batch * plan.nkv,
+                                               plan.sm90 ? detail::kBwdIndexOrderMaxQueries / plan.bm : 0,
+                                               kv_order, stream))) {
     return err;
   }
   if (plan.sm80_dq) {

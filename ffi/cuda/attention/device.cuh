@@ -88,6 +88,11 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
 cudaError_t launch_tile_schedule(const TileRange* ranges, int64_t n, int index_order_max_work, int* order,
                                  cudaStream_t stream);
 
+// order[0..n) = indices of ranges[0..n) (per_row tiles a batch row) document by document,
+// heaviest document first, each document's tiles in index order (doc_schedule.cu).
+cudaError_t launch_document_schedule(const TileRange* ranges, int64_t n, int64_t per_row, int* order,
+                                     cudaStream_t stream);
+
 // Document-aligned query tiles of the sm_90a forward (doc_tiles.cu): rows
 // [q0, q0 + rows) of batch row b (rows <= kFwdBlockM), their summary, and the keys
 // [kv_lo, kv_hi) that any of them may attend (kv_lo == kv_hi: none).

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kSchedThreads) tile_schedule_kernel(
   __shared__ int hist[kSchedBuckets];
   __shared__ int warp_sum[kSchedThreads / 32];
   __shared__ int max_work;
-  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const int t = threadIdx.x;
   auto work_of = [&](int64_t i) {
     const TileRange r = ranges[i];
     return r.y > r.x ? r.y - r.x : 0;
@@ -183,23 +183,7 @@ __global__ void __launch_bounds__(kSchedThreads) tile_schedule_kernel(
   }
   // Exclusive scan of the histogram: 2 buckets per thread.
   const int a0 = hist[2 * t], a1 = hist[2 * t + 1], sum = a0 + a1;
-  int x = sum;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warp_sum[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int w = warp_sum[lane];
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    warp_sum[lane] = w;
-  }
-  __syncthreads();
-  const int excl = x - sum + (warp > 0 ? warp_sum[warp - 1] : 0);
+  const int excl = detail::block_inclusive_scan(sum, warp_sum, [](int a, int b) { return a + b; }) - sum;
   hist[2 * t] = excl;
   hist[2 * t + 1] = excl + a0;
   __syncthreads();

@@ -94,4 +94,25 @@ __device__ int2 warp_unskipped_range(int64_t n, ClassOf class_of) {
   return make_int2(first, last);
 }
 
+// Inclusive scan by op (a sum, a max) of one int per thread over a block of 32 warps; every
+// thread calls it. warp_tmp (32 ints of shared memory) then holds, for each warp, the scan up to
+// its last thread: warp_tmp[31] is the whole block's.
+template <class Op>
+__device__ inline int block_inclusive_scan(int x, int* warp_tmp, Op op) {
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  auto warp_scan = [&](int v) {
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v = op(v, y);
+    }
+    return v;
+  };
+  x = warp_scan(x);
+  if (lane == 31) warp_tmp[warp] = x;
+  __syncthreads();
+  if (warp == 0) warp_tmp[lane] = warp_scan(warp_tmp[lane]);
+  __syncthreads();
+  return warp > 0 ? op(x, warp_tmp[warp - 1]) : x;
+}
+
 }  // namespace jaxcp::cuda::detail
