@@ -749,6 +749,24 @@ def test_one_key_path_moves_16_bit_rows_as_pairs(monkeypatch, layout, dtype, d, 
   assert (len(casts()) >= (2 if layout == "ragged" else 1)) == pairs, casts()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (6, 3)])
+def test_one_key_group_sum_of_pairs_is_bit_for_bit(dtype, hq, hkv):
+  """dV of rows of one key summed over the group as uint32 pairs (two 16-bit values a word,
+  widened and summed separately) equals the sum over 16-bit elements bit for bit, infinities,
+  subnormals and overflow included."""
+  rng = np.random.default_rng(5)
+  b, d = 32, 16
+  scales = np.array([1e-6, 1e-3, 1.0, 1e3, 3e4], np.float32)[rng.integers(0, 5, (b, hq, 1))]
+  dout = jnp.asarray(rng.standard_normal((b, hq, d)).astype(np.float32) * scales, dtype)
+  dout = dout.at[0, 0, :2].set(jnp.asarray([np.inf, -np.inf], dtype))
+  plain = one_key._group_sum(dout, hkv, False)
+  pairs = one_key._from_pairs(one_key._group_sum(dout, hkv, True), dout)
+  assert one_key._group_sum(dout, hkv, True).dtype == jnp.uint32
+  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(pairs, jnp.uint16)),
+                                np.asarray(jax.lax.bitcast_convert_type(plain, jnp.uint16)))
+
+
 def test_one_key_ragged_backward_scatters_no_floats():
   """The ragged one-key backward gathers dO through an int32 token -> row map: the program's only
   scatter writes int32 (autodiff of the forward's gather would scatter-add dV)."""

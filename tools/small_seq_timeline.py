@@ -2,9 +2,10 @@
 memset and copy of one call of jaxcp (padded layout with kv_lengths, the public API) and of
 XLA's jax.nn.dot_product_attention on the same arrays, forward and forward+backward, with each
 op's duration and the idle gap before it. It shows what a call's fixed cost is made of at small
-batches, where the bytes take a few microseconds.
+batches, where the bytes take a few microseconds. With --ragged jaxcp gets the same rows as
+ragged K/V (kv_cu_seqlens over the rows' tokens, max_kv_len = Skv); XLA keeps the padded layout.
 
-  python3 tools/small_seq_timeline.py --batch 16384 --skv 2 --heads 1/1 --dim 512
+  python3 tools/small_seq_timeline.py --batch 16384 --skv 2 --heads 1/1 --dim 512 [--ragged]
 """
 import argparse
 import os
@@ -21,16 +22,26 @@ import gpu_timeline  # noqa: E402
 import jaxcp  # noqa: E402
 
 
-def calls(b, skv, hq, hkv, d, dtype=jnp.bfloat16):
+def calls(b, skv, hq, hkv, d, ragged=False, dtype=jnp.bfloat16):
   """{name: (jitted function, arguments)} for jaxcp and XLA, forward and forward+backward."""
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
   k, v = (jnp.asarray(rng.standard_normal((b, skv, hkv, d)), dtype) for _ in range(2))
-  lengths = jnp.asarray(rng.integers(1, skv + 1, b), jnp.int32)
+  lengths_np = rng.integers(1, skv + 1, b)
+  lengths = jnp.asarray(lengths_np, jnp.int32)
   dout = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+  jx_kv = (k, v, lengths)
 
   def jx(q, k, v, lengths):
     return jaxcp.small_seq_attention(q, k, v, kv_lengths=lengths)
+
+  if ragged:  # the rows' tokens packed: k/v [T, Hkv, D], and kv_cu_seqlens in the lengths' place
+    tokens = np.concatenate([i * skv + np.arange(n) for i, n in enumerate(lengths_np)])
+    jx_kv = tuple(x.reshape(b * skv, hkv, d)[tokens] for x in (k, v)) + (
+        jnp.asarray(np.concatenate([[0], np.cumsum(lengths_np)]), jnp.int32),)
+
+    def jx(q, k, v, cu):
+      return jaxcp.small_seq_attention(q, k, v, kv_cu_seqlens=cu, max_kv_len=skv)
 
   def xla(q, k, v, lengths):
     out = jax.nn.dot_product_attention(q[:, None], k, v, key_value_seq_lengths=lengths, implementation="xla")
@@ -42,8 +53,8 @@ def calls(b, skv, hq, hkv, d, dtype=jnp.bfloat16):
       return out, pull(dout)
     return run
 
-  return {"jaxcp fwd": (jax.jit(jx), (q, k, v, lengths)), "xla fwd": (jax.jit(xla), (q, k, v, lengths)),
-          "jaxcp fwd+bwd": (jax.jit(fwd_bwd(jx)), (q, k, v, lengths, dout)),
+  return {"jaxcp fwd": (jax.jit(jx), (q,) + jx_kv), "xla fwd": (jax.jit(xla), (q, k, v, lengths)),
+          "jaxcp fwd+bwd": (jax.jit(fwd_bwd(jx)), (q,) + jx_kv + (dout,)),
           "xla fwd+bwd": (jax.jit(fwd_bwd(xla)), (q, k, v, lengths, dout))}
 
 
@@ -73,11 +84,13 @@ def main():
   ap.add_argument("--skv", type=int, default=2)
   ap.add_argument("--heads", default="1/1", help="HQ/HKV")
   ap.add_argument("--dim", type=int, default=512)
+  ap.add_argument("--ragged", action="store_true", help="jaxcp on ragged K/V (kv_cu_seqlens)")
   a = ap.parse_args()
   hq, hkv = (int(h) for h in a.heads.split("/"))
-  for name, (fn, args) in calls(a.batch, a.skv, hq, hkv, a.dim).items():
+  for name, (fn, args) in calls(a.batch, a.skv, hq, hkv, a.dim, a.ragged).items():
     ops, span = timeline(fn, args)
-    print(f"== {name}: B={a.batch} Skv={a.skv} heads {a.heads} D={a.dim}: {len(ops)} ops, span {span:.1f} us, "
+    layout = "ragged" if a.ragged and name.startswith("jaxcp") else "padded"
+    print(f"== {name}: B={a.batch} Skv={a.skv} heads {a.heads} D={a.dim} {layout}: {len(ops)} ops, span {span:.1f} us, "
           f"busy {sum(o[2] for o in ops):.1f} us")
     for t, gap, dur, op in ops:
       print(f"  t {t:7.1f} us  gap {gap:5.1f}  {dur:7.1f} us  {op[:100]}")

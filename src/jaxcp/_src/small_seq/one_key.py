@@ -53,42 +53,37 @@ def _group_broadcast(rows, hq: int):
   return jnp.broadcast_to(rows[:, :, None, :], (b, hkv, hq // hkv, w)).reshape(b, hq, w)
 
 
-def _spread(rows, allowed, hq: int, like):
-  """rows [B, Hkv, W] (pairs or not) where allowed, repeated for each group's query heads, in
-  the dtype of `like`."""
-  return _from_pairs(_group_broadcast(_rows_where(allowed, rows), hq), like)
-
-
-def _group_sum(dout, hkv: int):
-  """[B, Hq, D] -> [B, Hkv, D]: the sum over each group's query heads, in float32, head by head.
-  As adds of slices XLA fuses it into one elementwise loop; as a reduction over the middle axis
-  the padded forward+backward took 7-10% longer at groups of 4 (H200, 4/1 heads, D 64 and 128, B =
-  262144 and 1048576; level at 8/2 heads of 128, 16/4 of 64 and on ragged rows)."""
+def _group_sum(dout, hkv: int, pairs: bool):
+  """[B, Hq, D] -> [B, Hkv, D] (pairs: [B, Hkv, D / 2] uint32 where _as_pairs applies): the sum
+  over each group's query heads in float32, head by head. As adds of slices XLA fuses it into one
+  elementwise loop; as a reduction over the middle axis the padded forward+backward took 7-10%
+  longer at groups of 4 (H200, 4/1 heads, D 64 and 128, B = 262144 and 1048576; level at 8/2
+  heads of 128, 16/4 of 64 and on ragged rows). As pairs each 32-bit word holds two 16-bit
+  values, widened and summed separately."""
   b, hq, d = dout.shape
-  heads = dout.reshape(b, hkv, hq // hkv, d)
-  total = heads[:, :, 0].astype(jnp.float32)
+  u = _as_pairs(dout, pairs)
+  heads = u.reshape(b, hkv, hq // hkv, u.shape[-1])
+  if u.dtype == dout.dtype:
+    total = heads[:, :, 0].astype(jnp.float32)
+    for g in range(1, hq // hkv):
+      total = total + heads[:, :, g].astype(jnp.float32)
+    return total.astype(dout.dtype)
+  half = jnp.dtype(jnp.uint16)
+  widen = lambda w: jax.lax.bitcast_convert_type(w.astype(half), dout.dtype).astype(jnp.float32)
+  narrow = lambda x: jax.lax.bitcast_convert_type(x.astype(dout.dtype), half).astype(jnp.uint32)
+  lo = widen(heads[:, :, 0] & 0xFFFF)
+  hi = widen(heads[:, :, 0] >> 16)
   for g in range(1, hq // hkv):
-    total = total + heads[:, :, g].astype(jnp.float32)
-  return total.astype(dout.dtype)
+    lo = lo + widen(heads[:, :, g] & 0xFFFF)
+    hi = hi + widen(heads[:, :, g] >> 16)
+  return narrow(lo) | (narrow(hi) << 16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _broadcast_rows(rows, allowed, hq: int, pairs: bool):
-  """out [B, Hq, D]: rows [B, Hkv, D] for each query head of the group where allowed, else 0
-  (moved as 32-bit pairs, which autodiff cannot see through: hence the custom VJP)."""
-  return _spread(_as_pairs(rows, pairs), allowed, hq, rows)
-
-
-def _broadcast_rows_fwd(rows, allowed, hq, pairs):
-  return _broadcast_rows(rows, allowed, hq, pairs), (allowed, rows[:, :, :0])
-
-
-def _broadcast_rows_bwd(hq, pairs, residuals, dout):
-  allowed, rows_shape = residuals
-  return _rows_where(allowed, _group_sum(dout, rows_shape.shape[1])), None
-
-
-_broadcast_rows.defvjp(_broadcast_rows_fwd, _broadcast_rows_bwd)
+def _zeros(shape, dtype, pairs: bool):
+  """Zeros of this shape and dtype, written as uint32 pairs where _as_pairs applies."""
+  if not pairs or jnp.dtype(dtype).itemsize != 2 or shape[-1] % 2:
+    return jnp.zeros(shape, dtype)
+  return _from_pairs(jnp.zeros(shape[:-1] + (shape[-1] // 2,), jnp.uint32), jnp.zeros((), dtype))
 
 
 def _ragged_first_tokens(index, batch: int, tokens: int):
@@ -100,47 +95,70 @@ def _ragged_first_tokens(index, batch: int, tokens: int):
   return jnp.minimum(start, tokens - 1), allowed
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gather_first_tokens(v, first, allowed, hq: int, pairs: bool):
-  """out [B, Hq, D]: v[first[b]] for each query head of the group where allowed, else 0."""
-  return _spread(_as_pairs(v, pairs)[first], allowed, hq, v)
+def _allowed_rows(index, batch: int, ragged: bool, tokens: int):
+  """(first token of each row (ragged; None padded), bool [B] whether the row attends to it)."""
+  if ragged:
+    return _ragged_first_tokens(index, batch, tokens)
+  length, mask = with_defaults(index, batch, 1)
+  return None, (length >= 1) & ((mask & 1) == 1)
 
 
-def _gather_first_tokens_fwd(v, first, allowed, hq, pairs):
-  # v is not saved: the backward needs only its shape [Tkv, Hkv], carried by a zero-size slice
-  return _gather_first_tokens(v, first, allowed, hq, pairs), (first, allowed, v[:, :, :0])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _one_key(q, k, v, index, ragged: bool, pairs: bool):
+  """out [B, Hq, D]: each row's key's value for each query head of its group where the row
+  attends to it, else 0. The VJP is written out (dQ = dK = 0, dV = dO summed over the group,
+  through the token -> row map when ragged): the rows move as 32-bit pairs, which autodiff
+  cannot see through, and autodiff of the ragged gather would scatter-add. dQ and dK are zeros
+  of their shapes (neither is read: q and k are saved as zero-size slices)."""
+  return _one_key_fwd(q, k, v, index, ragged, pairs)[0]
 
 
-def _gather_first_tokens_bwd(hq, pairs, residuals, dout):
-  first, allowed, v_shape = residuals
-  tokens, hkv = v_shape.shape[:2]
-  b = dout.shape[0]
+def _one_key_fwd(q, k, v, index, ragged, pairs):
+  b, hq, _ = q.shape
+  first, allowed = _allowed_rows(index, b, ragged, v.shape[0])
+  if not ragged and hq == v.shape[2]:
+    # No broadcast: as 16-bit rows XLA's forward and backward kernels together beat the pairs
+    # (4/4 heads, D 64, B = 262144: forward+backward 0.21 ms against 0.27-0.31 ms)
+    out = _rows_where(allowed, v[:, 0])
+  else:
+    rows = _as_pairs(v, pairs)[first] if ragged else _as_pairs(v[:, 0], pairs)  # [B, Hkv, D or D / 2]
+    out = _from_pairs(_group_broadcast(_rows_where(allowed, rows), hq), v)
+  # q, k and v are not saved: the backward needs their shapes and dtypes, carried by zero-size
+  # slices (q's and k's head dim, and v's leading dims, which k shares)
+  return out.astype(q.dtype), (first, allowed, q[:0], k[:0], v[..., :0])
+
+
+def _one_key_bwd(ragged, pairs, residuals, dout):
+  first, allowed, q_stub, k_stub, v_stub = residuals
+  b, hq, hkv = dout.shape[0], dout.shape[1], v_stub.shape[-2]
+  # dQ and dK: zeros written as uint32 pairs under groups, and the group sum below as pairs
+  # (H200, B = 262144-1048576, groups of 4: forward+backward 1.29-1.47x faster than both as
+  # 16-bit values; the sum alone as pairs 0.93-1.10x); without groups as XLA writes them (as
+  # pairs, 8/8 heads of 128: 0.97 ms against 0.82)
+  zero_pairs = pairs and hq > hkv
+  dq = _zeros((b,) + q_stub.shape[1:], q_stub.dtype, zero_pairs)
+  dk = _zeros(v_stub.shape[:-1] + k_stub.shape[-1:], k_stub.dtype, zero_pairs)
+  dout = dout.astype(v_stub.dtype)
+  if not ragged and hq == hkv:
+    return dq, dk, _rows_where(allowed, dout)[:, None], None
+  grouped = _group_sum(dout, hkv, zero_pairs)                       # [B, Hkv, D] (or D / 2 pairs)
+  if not ragged:
+    return dq, dk, _from_pairs(_rows_where(allowed, grouped), dout)[:, None], None
+  tokens = v_stub.shape[0]
   rows = jnp.arange(b, dtype=jnp.int32)
   # token -> the allowed row that starts there (b: none); disallowed rows aim past the end, each
   # at its own index, so every index is distinct and the scatter needs no atomics
   owner = jnp.full((tokens,), b, jnp.int32).at[jnp.where(allowed, first, tokens + rows)].set(
       rows, mode="drop", unique_indices=True)
-  grouped = _group_sum(dout, hkv)
-  dv = _from_pairs(_rows_where(owner < b, _as_pairs(grouped, pairs)[jnp.minimum(owner, b - 1)]), grouped)
-  return dv, None, None
+  gathered = _as_pairs(grouped, pairs)[jnp.minimum(owner, b - 1)]
+  return dq, dk, _from_pairs(_rows_where(owner < b, gathered), dout), None
 
 
-_gather_first_tokens.defvjp(_gather_first_tokens_fwd, _gather_first_tokens_bwd)
+_one_key.defvjp(_one_key_fwd, _one_key_bwd)
 
 
 def one_key_attention(q, k, v, index, config: SmallSeqConfig):
   """small_seq_reference's output for rows of one key (max_len 1; k is not read)."""
-  del k
   if config.max_len != 1:
     raise ValueError("one_key_attention takes rows of one key (max_len 1).")
-  b, hq, _ = q.shape
-  if config.ragged:
-    first, allowed = _ragged_first_tokens(index, b, v.shape[0])
-    return _gather_first_tokens(v, first, allowed, hq, b >= PAIRS_MIN_ROWS).astype(q.dtype)
-  length, mask = with_defaults(index, b, 1)
-  allowed = (length >= 1) & ((mask & 1) == 1)                       # [B]
-  if hq == v.shape[2]:
-    # No broadcast: as 16-bit rows autodiff's forward and backward kernels together beat the pairs
-    # (4/4 heads, D 64, B = 262144: forward+backward 0.21 ms against 0.27-0.31 ms)
-    return _rows_where(allowed, v[:, 0]).astype(q.dtype)
-  return _broadcast_rows(v[:, 0], allowed, hq, b >= PAIRS_MIN_ROWS).astype(q.dtype)
+  return _one_key(q, k, v, tuple(index), config.ragged, q.shape[0] >= PAIRS_MIN_ROWS)
