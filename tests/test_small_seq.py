@@ -749,6 +749,23 @@ def test_one_key_path_moves_16_bit_rows_as_pairs(monkeypatch, layout, dtype, d, 
   assert (len(casts()) >= (2 if layout == "ragged" else 1)) == pairs, casts()
 
 
+def test_one_key_forward_alone_moves_rows_without_groups_as_pairs(monkeypatch):
+  """Padded rows without groups (as from PAIRS_MIN_ROWS rows): the forward alone moves them as
+  uint32 pairs; differentiated, its forward and dV keep 16-bit rows (faster together on an H200).
+  Bit for bit the same output either way."""
+  monkeypatch.setattr(one_key, "PAIRS_MIN_ROWS", 16)
+  rng = np.random.default_rng(4)
+  q, k, v, index = _one_key_case(rng, "padded", 16, 4, 4, 32, jnp.bfloat16)
+  config = SmallSeqConfig(32 ** -0.5, 1, False)
+  attend = lambda v: one_key_attention(q, k, v, index, config)
+  casts = lambda f: re.findall(r"stablehlo\.bitcast_convert .*-> tensor<[^>]*xui32>", jax.jit(f).lower(v).as_text())
+  assert casts(attend)
+  assert not casts(lambda v: jax.vjp(attend, v))
+  assert not casts(jax.grad(lambda v: attend(v).astype(jnp.float32).sum()))
+  np.testing.assert_array_equal(np.asarray(jax.jit(attend)(v), np.float32),
+                                np.asarray(jax.vjp(attend, v)[0], np.float32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (6, 3)])
 def test_one_key_group_sum_of_pairs_is_bit_for_bit(dtype, hq, hkv):
