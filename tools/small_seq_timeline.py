@@ -36,9 +36,10 @@ def calls(b, skv, hq, hkv, d, ragged=False, dtype=jnp.bfloat16):
     return jaxcp.small_seq_attention(q, k, v, kv_lengths=lengths)
 
   if ragged:  # the rows' tokens packed: k/v [T, Hkv, D], and kv_cu_seqlens in the lengths' place
-    tokens = np.concatenate([i * skv + np.arange(n) for i, n in enumerate(lengths_np)])
-    jx_kv = tuple(x.reshape(b * skv, hkv, d)[tokens] for x in (k, v)) + (
-        jnp.asarray(np.concatenate([[0], np.cumsum(lengths_np)]), jnp.int32),)
+    cu = np.concatenate([[0], np.cumsum(lengths_np)])
+    row_start = np.repeat(np.arange(b) * skv - cu[:-1], lengths_np)  # token t of row i: i * skv + t - cu[i]
+    tokens = row_start + np.arange(cu[-1])
+    jx_kv = tuple(x.reshape(b * skv, hkv, d)[tokens] for x in (k, v)) + (jnp.asarray(cu, jnp.int32),)
 
     def jx(q, k, v, cu):
       return jaxcp.small_seq_attention(q, k, v, kv_cu_seqlens=cu, max_kv_len=skv)
