@@ -243,11 +243,10 @@ def test_backward_key_tile_orders(doc):
 def test_backward_gqa_blocks_by_document():
   """GQA blocks of several query heads take their key tiles document by document, heaviest
   document first (bwd_plan's by_document), where blocks of one head would run heaviest first by
-  tile. Small problems split the
-  group into one head a block, so this one has enough key tiles for two heads a block on 132
-  multiprocessors (4 rows of 33 key tiles x 2 kv heads = 264 blocks, group of 4 split in 2), and
-  a single document of 4224 tokens in one row: its first key tile walks 66 query tiles, more than
-  the light-tile rule's 64."""
+  tile. Small problems split the group into one head a block, so this one has enough key tiles
+  for two heads a block on 132 multiprocessors (4 rows of 33 key tiles x 2 kv heads = 264
+  blocks, group of 4 split in 2), and a single document of 4224 tokens in one row: its first key
+  tile walks 66 query tiles, more than the light-tile rule's 64."""
   rng = np.random.default_rng(5)
   s = 4224
   seg = random_segments(rng, 4, s, mean_doc=1500)

@@ -36,7 +36,7 @@ def _as_pairs(x, pairs: bool = True):
 
 
 def _from_pairs(u, like):
-  """_as_pairs undone: `u` back in the dtype of `like`."""
+  """_as_pairs undone: `u` back in the dtype of `like` (an array or a jax.ShapeDtypeStruct)."""
   if u.dtype == like.dtype:
     return u
   return jax.lax.bitcast_convert_type(u, like.dtype).reshape(*u.shape[:-1], u.shape[-1] * 2)
@@ -83,7 +83,7 @@ def _zeros(shape, dtype, pairs: bool):
   """Zeros of this shape and dtype, written as uint32 pairs where _as_pairs applies."""
   if not pairs or jnp.dtype(dtype).itemsize != 2 or shape[-1] % 2:
     return jnp.zeros(shape, dtype)
-  return _from_pairs(jnp.zeros(shape[:-1] + (shape[-1] // 2,), jnp.uint32), jnp.zeros((), dtype))
+  return _from_pairs(jnp.zeros(shape[:-1] + (shape[-1] // 2,), jnp.uint32), jax.ShapeDtypeStruct((), dtype))
 
 
 def _ragged_first_tokens(index, batch: int, tokens: int):
