@@ -124,10 +124,11 @@ def _one_key(q, k, v, index, ragged: bool, pairs: bool):
   cannot see through, and autodiff of the ragged gather would scatter-add. dQ and dK are zeros
   of their shapes (neither is read: q and k are saved as zero-size slices).
 
-  Padded rows without groups: the forward alone (not differentiated) moves them as pairs, 1.24-1.28x
-  faster than 16-bit rows (H200, 8/8 D128 and 1/1 D512 at B = 262144, 4/4 D64 and 1/1 D128 at
-  1048576); under differentiation the forward keeps 16-bit rows: with pairs forward+backward took
-  1.21x as long (8/8 D128: 0.99 ms against 0.82), and 1.41x with dV as pairs too."""
+  Padded rows without groups: the forward alone (not differentiated) moves them as pairs, 1.24-1.29x
+  faster than 16-bit rows (H200, 8/8 D128, 4/4 D64 and 1/1 D512 at B = 262144, 4/4 D64 and 1/1
+  D128 at 1048576); under differentiation the forward keeps 16-bit rows: with pairs
+  forward+backward took 1.19-1.21x as long (8/8 D128: 0.99 ms against 0.82), and 1.38-1.43x with dV
+  as pairs too."""
   del k
   return _one_key_output(q, v, index, ragged, pairs, mha_pairs=pairs)[0]
 
