@@ -173,221 +173,217 @@ struct BwdSm90Params {
   typename KT::TmaStoreV tma_dv;
 };
 
-// kOrdered: the deterministic kernel at D 64 and 128 (p.dq_sem set): heads innermost, dQ adds in
-// turns. A template flag, so that the default kernel carries none of it (the split-D designs
-// check p.dq_sem at run time; their consumers add dQ themselves).
-template <class KT, bool kOrdered>
-__global__ void __launch_bounds__(KT::kThreads, 1)
-    attention_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params<KT> P) {
-#if JAXCP_SM90_DEVICE
-  using Element = typename KT::Element;
+// ---------------- dQ writer warp: a bulk reduce-add per warpgroup and step ----------------
+// Each warpgroup's half of the tile (its fragments) leaves as soon as it is in shared
+// memory, and its buffer is free again once read, whatever the other warpgroup does.
+// Deterministic (kOrdered): a query tile's adds take turns in key tile order (blocks
+// start in that order, so a turn never waits on a block that has not started); the group's
+// turn is taken at its first head and passed on after its last head's adds are complete,
+// both by warps of their own (below), so that the writer never waits on global memory.
+template <class KT, bool kOrdered, class NextStep>
+__forceinline__ __device__ void bwd_sm90_dq_writer(typename KT::SharedStorage& ss, const BwdParams& p, const BwdBlock& w,
+                                                   int i_first, int cls_first, NextStep&& next_step) {
+  constexpr int BM = KT::kBM, D = KT::kD;
+  constexpr int kHalf = BM * D / 2;  // floats
+  int h = w.h_begin, i = i_first, c = cls_first;
+  bool more = true;
+  for (int half = 0; half < 2; ++half)  // both halves start empty
+    cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + half);
+  int taken = 0, done = 0;  // deterministic: turns received from / handed to the turn warps
+  do {
+    const int hs = h, is = i;
+    more = next_step(h, i, c);
+    float* gdq = p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D);
+    for (int half = 0; half < 2; ++half) {
+      cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull + half);
+      if (threadIdx.x == 32) {
+        if constexpr (kOrdered) {
+          if (half == 0 && hs == w.h_begin) {
+            ss.turns.taken.receive(taken++);
+            fence_proxy_async_global();  // the turn (generic proxy) before the adds (async)
+          }
+        }
+        bulk_reduce_add_f32(gdq + half * kHalf, ss.dq.data() + half * kHalf, kHalf * 4);
+        tma_store_arrive();
+      }
+    }
+    if (threadIdx.x == 32) tma_store_wait<1>();  // the first half has been read
+    __syncwarp();
+    if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
+    if (threadIdx.x == 32) tma_store_wait<0>();
+    __syncwarp();
+    if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + 1);
+    if constexpr (kOrdered) {
+      if (threadIdx.x == 32 && hs == w.h_end - 1) {
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds are done, not just read
+        fence_proxy_async_global();
+        ss.turns.done.wait_free(done);
+        ss.turns.done.fill(done++);
+      }
+    }
+    __syncwarp();
+  } while (more);
+  if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+// ---------------- turn warps: take the group's turns ahead, pass them on ----------------
+// Each walks the writer's steps. The taker (warp 2) waits on a query tile's semaphore
+// for this block's ticket, up to two tiles ahead of the writer; the passer (warp 3)
+// sets the next ticket once the writer's adds to the tile are complete. (A release at
+// GPU scope stalls its thread on a memory barrier: in the writer, the consumers would
+// wait for the dQ buffer meanwhile.)
+template <class KT, class NextStep>
+__forceinline__ __device__ void bwd_sm90_turn_warps(typename KT::SharedStorage& ss, const BwdParams& p, const BwdBlock& w,
+                                                    int i_first, int cls_first, NextStep&& next_step) {
+  const bool taker = threadIdx.x == 64;
+  int h = w.h_begin, i = i_first, c = cls_first, k = 0;
+  bool more = true;
+  do {
+    const int hs = h, is = i;
+    more = next_step(h, i, c);
+    if (hs != (taker ? w.h_begin : w.h_end - 1)) continue;
+    const DqTurn turn = dq_turn(p, w.b, w.h_begin, w.n_block, is);
+    if (taker) {
+      ss.turns.taken.wait_free(k);
+      take_turn(turn.sem, turn.ticket);
+      ss.turns.taken.fill(k++);
+    } else {
+      ss.turns.done.receive(k++);
+      release_turn(turn.sem, turn.ticket + 1);
+    }
+  } while (more);
+}
+
+// The producer: one thread issues every load (K and V once, then each step's Q, dO and their
+// rows) and writes each step's record.
+template <class KT, class NextStep>
+__forceinline__ __device__ void bwd_sm90_producer(const BwdSm90Params<KT>& P, typename KT::SharedStorage& ss,
+                                                  const BwdBlock& w, int i_first, int cls_first, NextStep&& next_step,
+                                                  typename KT::PipelineQ& pipe_q, typename KT::PipelineDO& pipe_do) {
   constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
-  using SharedStorage = typename KT::SharedStorage;
   using PipelineQ = typename KT::PipelineQ;
   using PipelineDO = typename KT::PipelineDO;
   using StepInfo = BwdSm90StepInfo;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
-  extern __shared__ __align__(1024) char smem_raw[];
-  SharedStorage& ss = shared_storage_at<SharedStorage>(smem_raw);
   const BwdParams& p = P.p;
-
-  const int warp_group = threadIdx.x / 128;
-  PipelineQ pipe_q(ss.pipe_q, tma_pipeline_params<PipelineQ>(KT::kQStageBytes, KT::kConsumerThreads),
-                   Shape<_1, _1, _1>{});
-  PipelineDO pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDO>(KT::kDOStageBytes, KT::kConsumerThreads),
-                     Shape<_1, _1, _1>{});
-  if (threadIdx.x == 0) {
-    TxBarrier::init(&ss.kv_full, 1);
-    if constexpr (kOrdered) {
-      ss.turns.taken.init();
-      ss.turns.done.init();
-    }
-  }
-  cutlass::arch::fence_barrier_init();
-  __syncthreads();
-
-  const BwdBlock w = bwd_block<BN>(p, blockIdx.x);
-  // The deterministic kernel walks its query tiles from the last when its turns go in increasing
-  // key tile order (the plan's flag): a lower key tile then reaches a query tile no later than the
-  // next one (from the first, the next key tile would get there two steps earlier, and wait).
-  int di = 1;  // 1: from the first query tile, -1: from the last
-  if constexpr (kOrdered) di = *p.dq_ascending != 0 ? -1 : 1;
-  const int i_end = di > 0 ? w.range.y : w.range.x - 1;
-  int cls_first = kSkip;
-  const int i_first =  // the same for every head (an empty range is (0, 0): i_end in either direction)
-      kOrdered ? bwd_step_q_serial<BM>(p, w, di > 0 ? w.range.x : w.range.y - 1, di, i_end, cls_first)
-               : bwd_next_q_serial<BM>(p, w, w.range.x, cls_first);
-  const bool any_work = w.h_begin < w.h_end && i_first != i_end;
-  // Steps run over (head, query tile): the query tiles of each head of the block's group, or in
-  // the deterministic kernel (one turn per query tile for the group) the heads of each query tile.
-  auto next_step = [&](int& h, int& i, int& c) {
-    if constexpr (kOrdered) {  // heads inner: the group takes one turn per query tile
-      if (++h < w.h_end) return true;
-      h = w.h_begin;
-      i = bwd_step_q_serial<BM>(p, w, i + di, di, i_end, c);
-      return i != i_end;
-    }
-    i = bwd_next_q_serial<BM>(p, w, i + 1, c);
-    if (i >= w.range.y) {
-      ++h;
-      i = i_first;
-      c = cls_first;
-    }
-    return h < w.h_end;
-  };
-
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdO{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
+  const int Sq = static_cast<int>(p.Sq), B = static_cast<int>(p.B);
+  Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
+  Tensor mdO = P.tma_do.get_tma_tensor(make_shape(Sq, Dv, p.Hq, B));
+  {
+    auto [tKg, tKs] = key_tile_tma<BN, D>(P.tma_k, p, w, sK);
+    auto [tVg, tVs] = key_tile_tma<BN, Dv>(P.tma_v, p, w, sV);
+    TxBarrier::arrive_and_expect_tx(&ss.kv_full, KT::kKVBytes);
+    copy(P.tma_k.with(ss.kv_full, 0), tKg, tKs);
+    copy(P.tma_v.with(ss.kv_full, 0), tVg, tVs);
+  }
+  // One state for both pipelines when they have the same depth (fewer live registers). Picked
+  // by pointer: a lambda returning the captured variable by reference made nvcc warn
+  // "returning reference to local variable".
+  auto write_q = cutlass::make_producer_start_state<PipelineQ>();
+  auto write_do_own = cutlass::make_producer_start_state<PipelineDO>();
+  auto& write_do = *[&] {
+    if constexpr (KT::kStagesQ == KT::kStagesDO) return &write_q; else return &write_do_own;
+  }();
+  int h = w.h_begin, i = i_first, c = cls_first;
+  bool more = true;
+  do {
+    const int st = write_q.index(), st_do = write_do.index();
+    const int64_t rows = (static_cast<int64_t>(w.b) * p.Hq + h) * p.sq_pad + static_cast<int64_t>(i) * BM;
+    Tensor gQ = local_tile(mQ(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
+    Tensor gdO = local_tile(mdO(_, _, h, w.b), Shape<Int<BM>, Int<Dv>>{}, make_coord(i, _0{}));
+    auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, st)), group_modes<0, 2>(gQ));
+    auto [tdOg, tdOs] = tma_partition(P.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO(_, _, st_do)), group_modes<0, 2>(gdO));
+    // The step after this one, found before the waits for the stages: its tile-summary loads
+    // overlap them, and dO is issued as soon as its stage is free (D 256 has one dO stage:
+    // 0.8% faster forward+backward at 2 x 8k doc1k, H200).
+    int h_next = h, i_next = i, c_next = c;
+    more = next_step(h_next, i_next, c_next);
+    pipe_q.producer_acquire(write_q);
+    uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
+    copy(P.tma_q.with(*bar_q, 0, reused_in_l2()), tQg, tQs);
+    SM90_BULK_COPY_G2S::copy(p.lse2 + rows, bar_q, ss.lse2.data() + st * BM, KT::kRowBytes);
+    SM90_BULK_COPY_G2S::copy(p.q_ids + w.b * p.sq_pad + static_cast<int64_t>(i) * BM, bar_q,
+                             ss.q_ids.data() + st * BM, KT::kIdBytes);
+    // The Q stage's step info: free (the consumers read it before releasing this stage's Q, which
+    // producer_acquire waited for); published by the dO barrier's arrive (release semantics).
+    ss.step_info[st] = StepInfo{i, c, h, more};
+    compiler_memory_fence();  // before producer_acquire's arrive on the dO barrier
+    pipe_do.producer_acquire(write_do);
+    uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
+    copy(P.tma_do.with(*bar_do, 0, reused_in_l2()), tdOg, tdOs);
+    SM90_BULK_COPY_G2S::copy(p.delta + rows, bar_do, ss.delta.data() + st_do * BM, KT::kRowBytes);
+    ++write_q;
+    if constexpr (KT::kStagesQ != KT::kStagesDO) ++write_do;
+    h = h_next;
+    i = i_next;
+    c = c_next;
+  } while (more);
+}
 
-  if (warp_group == 0) {
-    // 40 x 128 + 232 x 256 = the 168 x 384 registers the block launched with: the consumers'
-    // setmaxnreg waits for registers this warpgroup frees, and never gets more (a deadlock).
-    // At D 128 (release build) 24 left the producer's loop spilling (about 60 local loads and
-    // stores); 40 leaves about 8, and the consumers' loop spills 10 stores and 10 loads at 232
-    // (2 and 2 at 240). The 40 / 232 split measured slightly faster (H200).
-    cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (!any_work) return;
-    if constexpr (!KT::kSplitD) {
-      if (threadIdx.x / 32 == 1) {
-        // ---------------- dQ writer warp: a bulk reduce-add per warpgroup and step ----------------
-        // Each warpgroup's half of the tile (its fragments) leaves as soon as it is in shared
-        // memory, and its buffer is free again once read, whatever the other warpgroup does.
-        // Deterministic (kOrdered): a query tile's adds take turns in key tile order (blocks
-        // start in that order, so a turn never waits on a block that has not started); the group's
-        // turn is taken at its first head and passed on after its last head's adds are complete,
-        // both by warps of their own (below), so that the writer never waits on global memory.
-        constexpr int kHalf = BM * D / 2;  // floats
-        int h = w.h_begin, i = i_first, c = cls_first;
-        bool more = true;
-        for (int half = 0; half < 2; ++half)  // both halves start empty
-          cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + half);
-        int taken = 0, done = 0;  // deterministic: turns received from / handed to the turn warps
-        do {
-          const int hs = h, is = i;
-          more = next_step(h, i, c);
-          float* gdq = p.dq_accum + dq_tile_offset(p, w.b, hs, is, BM * D);
-          for (int half = 0; half < 2; ++half) {
-            cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQFull + half);
-            if (threadIdx.x == 32) {
-              if constexpr (kOrdered) {
-                if (half == 0 && hs == w.h_begin) {
-                  ss.turns.taken.receive(taken++);
-                  fence_proxy_async_global();  // the turn (generic proxy) before the adds (async)
-                }
-              }
-              bulk_reduce_add_f32(gdq + half * kHalf, ss.dq.data() + half * kHalf, kHalf * 4);
-              tma_store_arrive();
-            }
-          }
-          if (threadIdx.x == 32) tma_store_wait<1>();  // the first half has been read
-          __syncwarp();
-          if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty);
-          if (threadIdx.x == 32) tma_store_wait<0>();
-          __syncwarp();
-          if (more) cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQEmpty + 1);
-          if constexpr (kOrdered) {
-            if (threadIdx.x == 32 && hs == w.h_end - 1) {
-              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds are done, not just read
-              fence_proxy_async_global();
-              ss.turns.done.wait_free(done);
-              ss.turns.done.fill(done++);
-            }
-          }
-          __syncwarp();
-        } while (more);
-        if (threadIdx.x == 32) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-        return;
-      }
-      if constexpr (kOrdered) {
-        if (threadIdx.x == 64 || threadIdx.x == 96) {
-          // ---------------- turn warps: take the group's turns ahead, pass them on ----------------
-          // Each walks the writer's steps. The taker (warp 2) waits on a query tile's semaphore
-          // for this block's ticket, up to two tiles ahead of the writer; the passer (warp 3)
-          // sets the next ticket once the writer's adds to the tile are complete. (A release at
-          // GPU scope stalls its thread on a memory barrier: in the writer, the consumers would
-          // wait for the dQ buffer meanwhile.)
-          const bool taker = threadIdx.x == 64;
-          int h = w.h_begin, i = i_first, c = cls_first, k = 0;
-          bool more = true;
-          do {
-            const int hs = h, is = i;
-            more = next_step(h, i, c);
-            if (hs != (taker ? w.h_begin : w.h_end - 1)) continue;
-            const DqTurn turn = dq_turn(p, w.b, w.h_begin, w.n_block, is);
-            if (taker) {
-              ss.turns.taken.wait_free(k);
-              take_turn(turn.sem, turn.ticket);
-              ss.turns.taken.fill(k++);
-            } else {
-              ss.turns.done.receive(k++);
-              release_turn(turn.sem, turn.ticket + 1);
-            }
-          } while (more);
-          return;
-        }
-      }
+// The epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO (zeros when the block had no work).
+template <class KT, class MmadK, class MmadV, class AccK, class AccV>
+__forceinline__ __device__ void bwd_sm90_epilogue(const BwdSm90Params<KT>& P, typename KT::SharedStorage& ss,
+                                                  const BwdBlock& w, int tidx, const MmadK& mma_dk, const MmadV& mma_dv,
+                                                  AccK& acc_dk, AccV& acc_dv) {
+  using Element = typename KT::Element;
+  constexpr int BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
+  const BwdParams& p = P.p;
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
+  if (p.splits == 1) {
+    // Through the K and V tiles' shared memory, which no GEMM reads any more once both
+    // warpgroups are here, and out by one TMA store each. Stored from the fragments straight to
+    // global memory (4 bytes a thread, 8 rows of 16 bytes a warp), they took 6 us per block,
+    // 8% of a block's time at 2 x 8k doc1k (H200, clock64 probe).
+    cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc_dk); ++e) acc_dk(e) *= p.scale;
+    Tensor rdK = make_fragment_like<Element>(acc_dk);
+    Tensor rdV = make_fragment_like<Element>(acc_dv);
+    convert_into(rdK, acc_dk);
+    convert_into(rdV, acc_dv);
+    store_fragment_pairs(mma_dk.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sK)), rdK);
+    store_fragment_pairs(mma_dv.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sV)), rdV);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
+    if (tidx == 0) {
+      auto [tdKg, tdKs] = key_tile_tma<BN, D>(P.tma_dk, p, w, sK);
+      auto [tdVg, tdVs] = key_tile_tma<BN, Dv>(P.tma_dv, p, w, sV);
+      copy(P.tma_dk, tdKs, tdKg);  // rows past Skv are not written (the tensor's bounds)
+      copy(P.tma_dv, tdVs, tdVg);
+      tma_store_arrive();
+      tma_store_wait<0>();  // shared memory read: the block may exit
     }
-    // ---------------- producer: one thread issues every load ----------------
-    if (threadIdx.x != 0) return;
-    const int Sq = static_cast<int>(p.Sq), B = static_cast<int>(p.B);
-    Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
-    Tensor mdO = P.tma_do.get_tma_tensor(make_shape(Sq, Dv, p.Hq, B));
-    {
-      auto [tKg, tKs] = key_tile_tma<BN, D>(P.tma_k, p, w, sK);
-      auto [tVg, tVs] = key_tile_tma<BN, Dv>(P.tma_v, p, w, sV);
-      TxBarrier::arrive_and_expect_tx(&ss.kv_full, KT::kKVBytes);
-      copy(P.tma_k.with(ss.kv_full, 0), tKg, tKs);
-      copy(P.tma_v.with(ss.kv_full, 0), tVg, tVs);
-    }
-    // One state for both pipelines when they have the same depth (fewer live registers). Picked
-    // by pointer: a lambda returning the captured variable by reference made nvcc warn
-    // "returning reference to local variable".
-    auto write_q = cutlass::make_producer_start_state<PipelineQ>();
-    auto write_do_own = cutlass::make_producer_start_state<PipelineDO>();
-    auto& write_do = *[&] {
-      if constexpr (KT::kStagesQ == KT::kStagesDO) return &write_q; else return &write_do_own;
-    }();
-    int h = w.h_begin, i = i_first, c = cls_first;
-    bool more = true;
-    do {
-      const int st = write_q.index(), st_do = write_do.index();
-      const int64_t rows = (static_cast<int64_t>(w.b) * p.Hq + h) * p.sq_pad + static_cast<int64_t>(i) * BM;
-      Tensor gQ = local_tile(mQ(_, _, h, w.b), Shape<Int<BM>, Int<D>>{}, make_coord(i, _0{}));
-      Tensor gdO = local_tile(mdO(_, _, h, w.b), Shape<Int<BM>, Int<Dv>>{}, make_coord(i, _0{}));
-      auto [tQg, tQs] = tma_partition(P.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, st)), group_modes<0, 2>(gQ));
-      auto [tdOg, tdOs] = tma_partition(P.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO(_, _, st_do)), group_modes<0, 2>(gdO));
-      // The step after this one, found before the waits for the stages: its tile-summary loads
-      // overlap them, and dO is issued as soon as its stage is free (D 256 has one dO stage:
-      // 0.8% faster forward+backward at 2 x 8k doc1k, H200).
-      int h_next = h, i_next = i, c_next = c;
-      more = next_step(h_next, i_next, c_next);
-      pipe_q.producer_acquire(write_q);
-      uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
-      copy(P.tma_q.with(*bar_q, 0, reused_in_l2()), tQg, tQs);
-      SM90_BULK_COPY_G2S::copy(p.lse2 + rows, bar_q, ss.lse2.data() + st * BM, KT::kRowBytes);
-      SM90_BULK_COPY_G2S::copy(p.q_ids + w.b * p.sq_pad + static_cast<int64_t>(i) * BM, bar_q,
-                               ss.q_ids.data() + st * BM, KT::kIdBytes);
-      // The Q stage's step info: free (the consumers read it before releasing this stage's Q, which
-      // producer_acquire waited for); published by the dO barrier's arrive (release semantics).
-      ss.step_info[st] = StepInfo{i, c, h, more};
-      compiler_memory_fence();  // before producer_acquire's arrive on the dO barrier
-      pipe_do.producer_acquire(write_do);
-      uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
-      copy(P.tma_do.with(*bar_do, 0, reused_in_l2()), tdOg, tdOs);
-      SM90_BULK_COPY_G2S::copy(p.delta + rows, bar_do, ss.delta.data() + st_do * BM, KT::kRowBytes);
-      ++write_q;
-      if constexpr (KT::kStagesQ != KT::kStagesDO) ++write_do;
-      h = h_next;
-      i = i_next;
-      c = c_next;
-    } while (more);
     return;
   }
+  // Split GQA groups: float32 partial sums, reduced by a later kernel.
+  const int64_t part_k = static_cast<int64_t>(w.split) * p.B * p.Skv * p.kv_row;
+  const int64_t part_v = static_cast<int64_t>(w.split) * p.B * p.Skv * p.v_row;
+  store_key_tile_part<BN, D>(mma_dk, tidx, acc_dk, p.dk_part + part_k, p.kv_row, p, w, p.scale);
+  store_key_tile_part<BN, Dv>(mma_dv, tidx, acc_dv, p.dv_part + part_v, p.v_row, p, w, 1.f);
+}
 
-  // ---------------- consumers: 2 warpgroups ----------------
-  cutlass::arch::warpgroup_reg_alloc<232>();
+// The two consumer warpgroups: every step's GEMMs, P^T and dS^T, dQ handed to the writer warp (or
+// added by the consumers themselves at D 192 and 256), then the epilogue.
+template <class KT>
+__forceinline__ __device__ void bwd_sm90_consumers(const BwdSm90Params<KT>& P, typename KT::SharedStorage& ss,
+                                                   const BwdBlock& w, bool any_work, typename KT::PipelineQ& pipe_q,
+                                                   typename KT::PipelineDO& pipe_do) {
+  using Element = typename KT::Element;
+  constexpr int BM = KT::kBM, BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
+  using PipelineQ = typename KT::PipelineQ;
+  using PipelineDO = typename KT::PipelineDO;
+  using StepInfo = BwdSm90StepInfo;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  const BwdParams& p = P.p;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
   const int tidx = threadIdx.x - 128, wg = tidx / 128, t_wg = tidx % 128;
   typename KT::TiledMmaSdP mma_sdp;
   typename KT::TiledMmadK mma_dk;
@@ -615,39 +611,90 @@ __global__ void __launch_bounds__(KT::kThreads, 1)
       ds_stage ^= 1;
     } while (more);
   }
+  bwd_sm90_epilogue<KT>(P, ss, w, tidx, mma_dk, mma_dv, acc_dk, acc_dv);
+}
 
-  // Epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO (zeros when the block had no work).
-  if (p.splits == 1) {
-    // Through the K and V tiles' shared memory, which no GEMM reads any more once both
-    // warpgroups are here, and out by one TMA store each. Stored from the fragments straight to
-    // global memory (4 bytes a thread, 8 rows of 16 bytes a warp), they took 6 us per block,
-    // 8% of a block's time at 2 x 8k doc1k (H200, clock64 probe).
-    cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc_dk); ++e) acc_dk(e) *= p.scale;
-    Tensor rdK = make_fragment_like<Element>(acc_dk);
-    Tensor rdV = make_fragment_like<Element>(acc_dv);
-    convert_into(rdK, acc_dk);
-    convert_into(rdV, acc_dv);
-    store_fragment_pairs(mma_dk.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sK)), rdK);
-    store_fragment_pairs(mma_dv.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sV)), rdV);
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
-    if (tidx == 0) {
-      auto [tdKg, tdKs] = key_tile_tma<BN, D>(P.tma_dk, p, w, sK);
-      auto [tdVg, tdVs] = key_tile_tma<BN, Dv>(P.tma_dv, p, w, sV);
-      copy(P.tma_dk, tdKs, tdKg);  // rows past Skv are not written (the tensor's bounds)
-      copy(P.tma_dv, tdVs, tdVg);
-      tma_store_arrive();
-      tma_store_wait<0>();  // shared memory read: the block may exit
+// kOrdered: the deterministic kernel at D 64 and 128 (p.dq_sem set): heads innermost, dQ adds in
+// turns. A template flag, so that the default kernel carries none of it (the split-D designs
+// check p.dq_sem at run time; their consumers add dQ themselves).
+template <class KT, bool kOrdered>
+__global__ void __launch_bounds__(KT::kThreads, 1)
+    attention_bwd_sm90_kernel(const __grid_constant__ BwdSm90Params<KT> P) {
+#if JAXCP_SM90_DEVICE
+  using SharedStorage = typename KT::SharedStorage;
+  using PipelineQ = typename KT::PipelineQ;
+  using PipelineDO = typename KT::PipelineDO;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& ss = shared_storage_at<SharedStorage>(smem_raw);
+  const BwdParams& p = P.p;
+
+  const int warp_group = threadIdx.x / 128;
+  PipelineQ pipe_q(ss.pipe_q, tma_pipeline_params<PipelineQ>(KT::kQStageBytes, KT::kConsumerThreads),
+                   Shape<_1, _1, _1>{});
+  PipelineDO pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDO>(KT::kDOStageBytes, KT::kConsumerThreads),
+                     Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) {
+    TxBarrier::init(&ss.kv_full, 1);
+    if constexpr (kOrdered) {
+      ss.turns.taken.init();
+      ss.turns.done.init();
     }
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  constexpr int BM = KT::kBM;
+  const BwdBlock w = bwd_block<KT::kBN>(p, blockIdx.x);
+  // The deterministic kernel walks its query tiles from the last when its turns go in increasing
+  // key tile order (the plan's flag): a lower key tile then reaches a query tile no later than the
+  // next one (from the first, the next key tile would get there two steps earlier, and wait).
+  int di = 1;  // 1: from the first query tile, -1: from the last
+  if constexpr (kOrdered) di = *p.dq_ascending != 0 ? -1 : 1;
+  const int i_end = di > 0 ? w.range.y : w.range.x - 1;
+  int cls_first = kSkip;
+  const int i_first =  // the same for every head (an empty range is (0, 0): i_end in either direction)
+      kOrdered ? bwd_step_q_serial<BM>(p, w, di > 0 ? w.range.x : w.range.y - 1, di, i_end, cls_first)
+               : bwd_next_q_serial<BM>(p, w, w.range.x, cls_first);
+  const bool any_work = w.h_begin < w.h_end && i_first != i_end;
+  // Steps run over (head, query tile): the query tiles of each head of the block's group, or in
+  // the deterministic kernel (one turn per query tile for the group) the heads of each query tile.
+  // The producer, the dQ writer and the turn warps each walk them.
+  auto next_step = [&](int& h, int& i, int& c) {
+    if constexpr (kOrdered) {  // heads inner: the group takes one turn per query tile
+      if (++h < w.h_end) return true;
+      h = w.h_begin;
+      i = bwd_step_q_serial<BM>(p, w, i + di, di, i_end, c);
+      return i != i_end;
+    }
+    i = bwd_next_q_serial<BM>(p, w, i + 1, c);
+    if (i >= w.range.y) {
+      ++h;
+      i = i_first;
+      c = cls_first;
+    }
+    return h < w.h_end;
+  };
+
+  if (warp_group == 0) {
+    // 40 x 128 + 232 x 256 = the 168 x 384 registers the block launched with: the consumers'
+    // setmaxnreg waits for registers this warpgroup frees, and never gets more (a deadlock).
+    // At D 128 (release build) 24 left the producer's loop spilling (about 60 local loads and
+    // stores); 40 leaves about 8, and the consumers' loop spills 10 stores and 10 loads at 232
+    // (2 and 2 at 240). The 40 / 232 split measured slightly faster (H200).
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (!any_work) return;
+    if constexpr (!KT::kSplitD) {
+      if (threadIdx.x / 32 == 1) return bwd_sm90_dq_writer<KT, kOrdered>(ss, p, w, i_first, cls_first, next_step);
+      if constexpr (kOrdered) {
+        if (threadIdx.x == 64 || threadIdx.x == 96) return bwd_sm90_turn_warps<KT>(ss, p, w, i_first, cls_first, next_step);
+      }
+    }
+    if (threadIdx.x == 0) bwd_sm90_producer<KT>(P, ss, w, i_first, cls_first, next_step, pipe_q, pipe_do);
     return;
   }
-  // Split GQA groups: float32 partial sums, reduced by a later kernel.
-  const int64_t part_k = static_cast<int64_t>(w.split) * p.B * p.Skv * p.kv_row;
-  const int64_t part_v = static_cast<int64_t>(w.split) * p.B * p.Skv * p.v_row;
-  store_key_tile_part<BN, D>(mma_dk, tidx, acc_dk, p.dk_part + part_k, p.kv_row, p, w, p.scale);
-  store_key_tile_part<BN, Dv>(mma_dv, tidx, acc_dv, p.dv_part + part_v, p.v_row, p, w, 1.f);
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  bwd_sm90_consumers<KT>(P, ss, w, any_work, pipe_q, pipe_do);
 #endif
 }
 
