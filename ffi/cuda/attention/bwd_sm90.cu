@@ -254,6 +254,15 @@ __forceinline__ __device__ void bwd_sm90_turn_warps(typename KT::SharedStorage& 
   } while (more);
 }
 
+// Q, dO, K and V in shared memory (Q's and dO's stages last), as the producer and consumers see them.
+template <class KT>
+__forceinline__ __device__ auto smem_tiles(typename KT::SharedStorage& ss) {
+  return cute::make_tuple(make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{}),
+                          make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdO{}),
+                          make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{}),
+                          make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{}));
+}
+
 // The producer: one thread issues every load (K and V once, then each step's Q, dO and their
 // rows) and writes each step's record.
 template <class KT, class NextStep>
@@ -266,10 +275,7 @@ __forceinline__ __device__ void bwd_sm90_producer(const BwdSm90Params<KT>& P, ty
   using StepInfo = BwdSm90StepInfo;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   const BwdParams& p = P.p;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdO{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
+  auto [sQ, sdO, sK, sV] = smem_tiles<KT>(ss);
   const int Sq = static_cast<int>(p.Sq), B = static_cast<int>(p.B);
   Tensor mQ = P.tma_q.get_tma_tensor(make_shape(Sq, D, p.Hq, B));
   Tensor mdO = P.tma_do.get_tma_tensor(make_shape(Sq, Dv, p.Hq, B));
@@ -380,10 +386,7 @@ __forceinline__ __device__ void bwd_sm90_consumers(const BwdSm90Params<KT>& P, t
   using StepInfo = BwdSm90StepInfo;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   const BwdParams& p = P.p;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename KT::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename KT::SmemLayoutdO{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
+  auto [sQ, sdO, sK, sV] = smem_tiles<KT>(ss);
   const int tidx = threadIdx.x - 128, wg = tidx / 128, t_wg = tidx % 128;
   typename KT::TiledMmaSdP mma_sdp;
   typename KT::TiledMmadK mma_dk;
