@@ -7,7 +7,8 @@
 #   JAXCP_SANITIZE_DIMS="128 192:128" bash tools/gpu_sanitize.sh racecheck
 # Cases: tools/sanitizer_case.py (packed attention forward + both backwards; head dims from
 # JAXCP_SANITIZE_DIMS, default all) and tools/sanitizer_small_seq_case.py. Logs:
-# $OUT/sanitize_<tool>_<case>.log (OUT: the device tool's folder, or ./gpu_results).
+# $OUT/sanitize_<tool>_<case>.log (OUT: the device tool's folder, or ./gpu_results), in one
+# archive, sanitize_logs.tgz, when there are more than 4 of them.
 #
 # memcheck, synccheck and racecheck check only the kernels of the jaxcp namespace (XLA's run
 # unchecked). initcheck checks every kernel, since it would count memory that an unchecked XLA
@@ -69,4 +70,9 @@ for tool in "${tools[@]}"; do
     [[ $status -ne 0 ]] && { rc=1; grep -m 12 -E "^=========  *(Invalid|Uninitialized|Barrier|Race|Error|Warning)|^=========     at" "$log"; }
   done
 done
+# One archive of every log once there are more than a few: the device tool returns at most 8 files.
+logs=("$OUT"/sanitize_*.log)
+if [[ ${#logs[@]} -gt 4 ]]; then
+  tar czf "$OUT/sanitize_logs.tgz" -C "$OUT" "${logs[@]##*/}" && rm -f "${logs[@]}"
+fi
 exit $rc

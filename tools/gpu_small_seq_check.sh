@@ -8,7 +8,8 @@
 # memcheck: compute-sanitizer over a few small-seq calls (clamped lengths, ragged, GQA, grads).
 # sweep: benchmarks/bench_small_seq.py --sweep split over every GPU of the host (one process per
 # GPU, --part i/n), then benchmarks/plot_small_seq.py merges the parts (small_seq_sweep_*.{json,
-# md,png}); further arguments go to each sweep process (e.g. --variants mma,lanes --dims 64).
+# md,png}; the parts' files and logs in small_seq_sweep_parts.tgz); further arguments go to each
+# sweep process (e.g. --variants mma,lanes --dims 64).
 # Offline hosts: put nvidia-cutlass (and any other missing wheel) in .whl/ first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,18 +50,21 @@ fi
 if [[ "$what" == "sweep" ]]; then
   shift
   n=$(nvidia-smi -L | wc -l)
+  parts="$OUT/sweep_parts"  # archived after the merge: the device tool returns at most 8 files
+  mkdir -p "$parts"
   for ((i = 0; i < n; i++)); do
     # each process on its own GPU and its own share of the cores (compiles of one must not stall
     # the timings of another)
     cores=$(( $(nproc) / n ))
     CUDA_VISIBLE_DEVICES=$i taskset -c $((i * cores))-$((i * cores + cores - 1)) timeout "${SWEEP_TIMEOUT_S:-540}" python3 benchmarks/bench_small_seq.py \
-      --sweep --part "$i/$n" --out "$OUT" "$@" > "$OUT/sweep_part$i.log" 2>&1 &
+      --sweep --part "$i/$n" --out "$parts" "$@" > "$parts/sweep_part$i.log" 2>&1 &
   done
   wait
-  python3 benchmarks/plot_small_seq.py "$OUT"/small_seq_sweep_*_part*.json --out "$OUT" \
-    > "$OUT/sweep_plot.log" 2>&1
+  python3 benchmarks/plot_small_seq.py "$parts"/small_seq_sweep_*_part*.json --out "$OUT" \
+    > "$parts/sweep_plot.log" 2>&1
   rc=$?
-  tail -30 "$OUT/sweep_plot.log"
+  tail -30 "$parts/sweep_plot.log"
+  tar czf "$OUT/small_seq_sweep_parts.tgz" -C "$OUT" sweep_parts && rm -rf "$parts"
 fi
 echo "total $((SECONDS - t0)) s"
 exit $rc
