@@ -784,6 +784,33 @@ def test_one_key_group_sum_of_pairs_is_bit_for_bit(dtype, hq, hkv):
                                 np.asarray(jax.lax.bitcast_convert_type(plain, jnp.uint16)))
 
 
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)])
+def test_one_key_backward_skips_what_made_q_and_k(layout, hq, hkv):
+  """dQ and dK of rows of one key are symbolic zeros: differentiating a model through the one-key
+  path traces no matmul for the projections that made q and k (the gradient has the matmuls of a
+  model without them), and their weights' gradients are zeros."""
+  rng = np.random.default_rng(6)
+  _, k, _, index = _one_key_case(rng, layout, 16, hq, hkv, 8, jnp.float32)
+  kv_shape = k.shape  # padded [16, 1, Hkv, 8], ragged [tokens, Hkv, 8]
+  config = SmallSeqConfig(8 ** -0.5, 1, layout == "ragged")
+  x = jnp.asarray(rng.standard_normal((16, 12)), jnp.float32)
+  ctx = jnp.asarray(rng.standard_normal((kv_shape[0], 12)), jnp.float32)
+  w = {n: jnp.asarray(rng.standard_normal((12, h * 8)), jnp.float32) for n, h in (("q", hq), ("k", hkv), ("v", hkv))}
+
+  def loss(w, with_qk=True):
+    q = (x @ w["q"]).reshape(16, hq, 8) if with_qk else jnp.zeros((16, hq, 8))
+    k = (ctx @ w["k"]).reshape(kv_shape) if with_qk else jnp.zeros(kv_shape)
+    return one_key_attention(q, k, (ctx @ w["v"]).reshape(kv_shape), index, config).sum()
+
+  dots = lambda f: str(jax.make_jaxpr(jax.grad(f))(w)).count("dot_general")
+  assert dots(loss) == dots(functools.partial(loss, with_qk=False)) + 2  # + the forward's q and k
+  grads = jax.grad(loss)(w)
+  np.testing.assert_array_equal(grads["q"], 0)
+  np.testing.assert_array_equal(grads["k"], 0)
+  assert float(jnp.abs(grads["v"]).sum()) > 0
+
+
 def test_one_key_ragged_backward_scatters_no_floats():
   """The ragged one-key backward gathers dO through an int32 token -> row map: the program's only
   scatter writes int32 (autodiff of the forward's gather would scatter-add dV)."""

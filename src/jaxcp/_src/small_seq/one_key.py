@@ -79,13 +79,6 @@ def _group_sum(dout, hkv: int, pairs: bool):
   return narrow(lo) | (narrow(hi) << 16)
 
 
-def _zeros(shape, dtype, pairs: bool):
-  """Zeros of this shape and dtype, written as uint32 pairs where _as_pairs applies."""
-  if not pairs or jnp.dtype(dtype).itemsize != 2 or shape[-1] % 2:
-    return jnp.zeros(shape, dtype)
-  return _from_pairs(jnp.zeros(shape[:-1] + (shape[-1] // 2,), jnp.uint32), jax.ShapeDtypeStruct((), dtype))
-
-
 def _ragged_first_tokens(index, batch: int, tokens: int):
   """(first token of each row, clamped into [0, tokens), bool [B] whether the row attends to it),
   with small_seq_reference's clamping of start and length."""
@@ -121,8 +114,8 @@ def _one_key(q, k, v, index, ragged: bool, pairs: bool):
   """out [B, Hq, D]: each row's key's value for each query head of its group where the row
   attends to it, else 0. The VJP is written out (dQ = dK = 0, dV = dO summed over the group,
   through the token -> row map when ragged): the rows move as 32-bit pairs, which autodiff
-  cannot see through, and autodiff of the ragged gather would scatter-add. dQ and dK are zeros
-  of their shapes (neither is read: q and k are saved as zero-size slices).
+  cannot see through, and autodiff of the ragged gather would scatter-add. dQ and dK are
+  symbolic zeros.
 
   Padded rows without groups: the forward alone (not differentiated) moves them as pairs, 1.24-1.29x
   faster than 16-bit rows (H200, 8/8 D128, 4/4 D64 and 1/1 D512 at B = 262144, 4/4 D64 and 1/1
@@ -135,25 +128,21 @@ def _one_key(q, k, v, index, ragged: bool, pairs: bool):
 
 def _one_key_fwd(q, k, v, index, ragged, pairs):
   out, first, allowed = _one_key_output(q, v, index, ragged, pairs, mha_pairs=False)
-  # q, k and v are not saved: the backward needs their shapes and dtypes, carried by zero-size
-  # slices (q's and k's head dim, and v's leading dims, which k shares)
-  return out, (first, allowed, q[:0], k[:0], v[..., :0])
+  # v is not saved: the backward needs its shape and dtype, carried by a zero-size slice
+  return out, (first, allowed, v[..., :0])
 
 
 def _one_key_bwd(ragged, pairs, residuals, dout):
-  first, allowed, q_stub, k_stub, v_stub = residuals
+  first, allowed, v_stub = residuals
   b, hq, hkv = dout.shape[0], dout.shape[1], v_stub.shape[-2]
-  # dQ and dK: zeros written as uint32 pairs under groups, and the group sum below as pairs
-  # (H200, B = 262144-1048576, groups of 4: forward+backward 1.29-1.47x faster than both as
-  # 16-bit values; the sum alone as pairs 0.93-1.10x); without groups as XLA writes them (as
-  # pairs, 8/8 heads of 128: 0.97 ms against 0.82)
-  zero_pairs = pairs and hq > hkv
-  dq = _zeros((b,) + q_stub.shape[1:], q_stub.dtype, zero_pairs)
-  dk = _zeros(v_stub.shape[:-1] + k_stub.shape[-1:], k_stub.dtype, zero_pairs)
+  # dQ and dK are symbolic zeros (None): in a model, autodiff then skips the backward of whatever
+  # made q and k (their projections' matmuls); jax.vjp and jax.grad of q or k themselves get
+  # zeros of their shapes. dV's group sum goes as pairs under groups.
+  dq = dk = None
   dout = dout.astype(v_stub.dtype)
   if not ragged and hq == hkv:
     return dq, dk, _rows_where(allowed, dout)[:, None], None
-  grouped = _group_sum(dout, hkv, zero_pairs)                       # [B, Hkv, D] (or D / 2 pairs)
+  grouped = _group_sum(dout, hkv, pairs and hq > hkv)              # [B, Hkv, D] (or D / 2 pairs)
   if not ragged:
     return dq, dk, _from_pairs(_rows_where(allowed, grouped), dout)[:, None], None
   tokens = v_stub.shape[0]
