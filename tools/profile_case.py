@@ -7,7 +7,9 @@
 
 Several cases time one after another in one process (one JAX start).
 
-Cases: `ss:<name>` picks from the small-seq shorthands below, `att:<name>` a case of
+Cases: `ss:<name>` picks from the small-seq shorthands below, or `ss:B:SKV:HQ/HKV:D:padded|ragged`
+is a point of the shape sweep (lengths uniform in [1, SKV]: `kv_lengths`, or ragged K/V with
+`kv_cu_seqlens` and `max_kv_len=SKV`); `att:<name>` a case of
 benchmarks/bench_attention.py by its name. `--time` prints the median time per call as well;
 `--fa3` runs FlashAttention-3 (its varlen form, benchmarks/fa3_peer.py) on an `att:` case instead
 of jaxcp, so that ncu can read both kernels on the same problem.
@@ -38,11 +40,31 @@ SMALL_SEQ = {
 }
 
 
+def small_seq_point(spec):
+  """q, k, v, dout and the call's keyword arguments of a sweep point `B:SKV:HQ/HKV:D:LAYOUT`."""
+  b, s, heads, d, layout = spec.split(":")
+  b, s, d = int(b), int(s), int(d)
+  hq, hkv = (int(x) for x in heads.split("/"))
+  if layout not in ("padded", "ragged"):
+    raise ValueError(f"ss:{spec}: the layout is padded or ragged")
+  lengths = np.random.default_rng(0).integers(1, s + 1, b).astype(np.int32)
+  kv_shape = (int(lengths.sum()), hkv, d) if layout == "ragged" else (b, s, hkv, d)
+  q, k, v, dout = bs.random_arrays(b, hq, d, kv_shape, jnp.bfloat16)
+  if layout == "ragged":
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    return (q, k, v, dout), dict(kv_cu_seqlens=cu, max_kv_len=s)
+  return (q, k, v, dout), dict(kv_lengths=jnp.asarray(lengths))
+
+
 def small_seq_fn(name, backward):
-  case = SMALL_SEQ[name]
-  q, k, v, dout, lengths, _ = bs.make_inputs(case, jnp.bfloat16, np.random.default_rng(0))
-  cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)]) if case.ragged_mean else None
-  f = lambda q, k, v: jaxcp.small_seq_attention(q, k, v, kv_cu_seqlens=cu)
+  if name in SMALL_SEQ:
+    case = SMALL_SEQ[name]
+    q, k, v, dout, lengths, _ = bs.make_inputs(case, jnp.bfloat16, np.random.default_rng(0))
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths)]) if case.ragged_mean else None
+    kwargs = dict(kv_cu_seqlens=cu)
+  else:
+    (q, k, v, dout), kwargs = small_seq_point(name)
+  f = lambda q, k, v: jaxcp.small_seq_attention(q, k, v, **kwargs)
   if backward:
     return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)), (q, k, v, dout)
   return jax.jit(f), (q, k, v)
