@@ -42,6 +42,16 @@ def test_bench_attention_quick(tmp_path):
   assert md.startswith("Device:") and "deterministic=True over the default" in md
 
 
+def test_bench_small_seq_layer_quick(tmp_path):
+  _run_quick("bench_small_seq_layer", tmp_path)
+  data = json.loads((tmp_path / "small_seq_layer_cpu.json").read_text())
+  assert len(data["results"]) == 2
+  for r in data["results"]:
+    assert r["jaxcp_ms"] > 0 and r["xla_ms"] > 0 and r["max_rel_err"] < 2e-2
+    assert r["xla_matmuls"] >= 8  # four projections forward and backward, and the attention's own
+  assert "matmuls jaxcp / XLA" in (tmp_path / "small_seq_layer_cpu.md").read_text()
+
+
 def test_accuracy_quick(tmp_path):
   """The accuracy script runs, and the CPU kernel's bf16 output is within bf16 rounding of the
   float64 reference (its own rounding of the output alone is about 1.5e-3)."""
