@@ -116,7 +116,10 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
     __syncwarp();  // the tile's Q rows are consumed: they take its O rows now
 
     T* o_rows = Qs + h0 * Geo::kRow;
-#pragma unroll 2
+    // Not unrolled where it would be whole: D 64 over one token tile (two passes) unrolled took 62
+    // registers (32 warps a multiprocessor), rolled 40.
+    constexpr int kUnroll = Geo::kChunks / kCpx > 2 ? 2 : 1;
+#pragma unroll kUnroll
     for (int c0 = 0; c0 < Geo::kChunks; c0 += kCpx) {
       uint32_t vb[4];
       ldsm_x4_trans(vb, v_addr + c0 * 16);
