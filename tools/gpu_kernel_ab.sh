@@ -7,7 +7,9 @@
 #   AB_DIR=.ab AB_VARIANTS=A,B AB_CASES="att:2x8k dense+det;att:1x128k doc8k" bash tools/gpu_kernel_ab.sh
 # AB_MODE=kernels (default): each case's backward kernel duration under ncu (tools/gpu_kernel_times.sh;
 #   AB_GREP picks its lines); AB_MODE=time: profile_case.py --bwd --time, in
-#   AB_ROUNDS rounds (default 2) that alternate the variants' order.
+#   AB_ROUNDS rounds (default 2) that alternate the variants' order. AB_PASS=fwd: the forward alone
+#   instead (e.g. small-seq forward kernels: AB_CASES="ss:262144:8:4/1:64:ragged;..." AB_MODE=time
+#   AB_PASS=fwd).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$PWD/gpu_results}"
@@ -15,6 +17,8 @@ mkdir -p "$OUT"
 dir="${AB_DIR:-.ab}"
 IFS=',' read -ra variants <<< "${AB_VARIANTS:?AB_VARIANTS=A,B,...}"
 IFS=';' read -ra cases <<< "${AB_CASES:?AB_CASES=case;case;...}"
+pass_flag=(--bwd)
+[ "${AB_PASS:-bwd}" = fwd ] && pass_flag=()
 python3 -m pip uninstall -y -q jaxcp > /dev/null 2>&1
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || exit 1
@@ -38,7 +42,7 @@ fi
 if [ "${AB_MODE:-kernels}" = kernels ]; then
   for c in "${cases[@]}"; do
     for v in "${variants[@]}"; do
-      PYTHONPATH="/tmp/site_$v" timeout "${AB_TIMEOUT:-150}" bash tools/gpu_kernel_times.sh "$c" --bwd \
+      PYTHONPATH="/tmp/site_$v" timeout "${AB_TIMEOUT:-150}" bash tools/gpu_kernel_times.sh "$c" "${pass_flag[@]}" \
         | grep -E "${AB_GREP:-attention_bwd_sm90_kernel}" | cut -c1-70 | sed "s|^|$v $c: |"
     done
   done
@@ -48,7 +52,7 @@ else
     [ $((r % 2)) = 0 ] && order=($(printf '%s\n' "${variants[@]}" | tac))
     for v in "${order[@]}"; do
       PYTHONPATH="/tmp/site_$v" timeout "${AB_TIMEOUT:-150}" python3 tools/profile_case.py "${cases[@]}" \
-        --bwd --time 2>&1 | grep " ms" | sed "s/^/$v r$r /"
+        "${pass_flag[@]}" --time 2>&1 | grep " ms" | sed "s/^/$v r$r /"
     done
   done
 fi
