@@ -59,11 +59,11 @@ struct BwdParams {
 // The work of one dK/dV block: one key tile of one kv head (or a split of its GQA group). The
 // (head, split) pairs are cut into chunks of head_chunk; chunks run one after the other, inside a
 // chunk key tiles go in kv_order (heaviest first, or in index order when every tile is light;
-// sm_90a blocks of several query heads: document by document, heaviest first, see
-// kBwdIndexOrderMaxQueries; for the deterministic sm_90a kernel in its turn order:
-// bwd_turn_order_kernel) with the pairs of a tile on consecutive
-// blocks. Small chunks keep the blocks running together on few heads (their Q / dO stay in L2);
-// chunks of >= ~4 waves keep the longest-first order.
+// the sm_90a default kernel's blocks of several query heads, or at D 96-128: document by
+// document, heaviest first, see kBwdIndexOrderMaxQueries; for the deterministic sm_90a kernel in
+// its turn order: bwd_turn_order_kernel) with the pairs of a tile on consecutive blocks. Small
+// chunks keep the blocks running together on few heads (their Q / dO stay in L2); chunks of >= ~4
+// waves keep the longest-first order.
 struct BwdBlock {
   int b, n_block, hk, split, h_begin, h_end, kv_rows;
   int64_t k0;

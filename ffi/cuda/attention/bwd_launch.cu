@@ -15,13 +15,17 @@ namespace {
 // work, the blocks running together lie far apart in the row and the Q / dO / dQ tiles they share
 // fall out of L2 (H100, 4 x 16k, mean document 4k, chunks of 2048: L2 hit rate 67%, against 84%
 // with windows of 1024, whose tiles all weigh about the same); index order was 6% faster there.
-// With long documents heaviest first wins (causal, 4k documents: index order 1-2% slower), but
-// not for GQA: a block walks every query head of its group, so sorted by work the blocks running
-// together (one key tile of every document) visit G heads' Q / dO / dQ tiles of every document,
-// more than L2 holds (H200, 1 x 128k, documents of 8k, 32/8: L2 hit rate 83%; 97% in index
-// order, FlashAttention-3's 98%). They run document by document instead, heaviest document
-// first (bwd_plan's by_document: launch_document_schedule), so that the last blocks to start are
-// short ones.
+// With long documents heaviest first beats index order (causal, 4k documents: index order 1-2%
+// slower), but sorted by work the blocks running together (one key tile of every document) visit
+// the Q / dO / dQ tiles of every document, more than L2 holds when a block walks a GQA group's
+// heads (H200, 1 x 128k, documents of 8k, 32/8: L2 hit rate 83%; 97% in index order,
+// FlashAttention-3's 98%). The default kernel's blocks run document by document instead,
+// heaviest document first (bwd_plan's by_document: launch_document_schedule), so that the last
+// blocks to start are short ones: for GQA, and at head dims 96 and 128 for one head a block too
+// (H200, forward+backward against heaviest first: 1 x 64k with 1k documents 3% faster, 2 x 8k
+// single documents and 4 x 16k with 4k documents 1%, 1 x 128k with 8k documents level). At head
+// dim 64 (query tiles of 128) it was 1% slower on 2 x 8k with 1k documents; the split-D designs
+// (192, 256) keep heaviest first, unmeasured.
 constexpr int kBwdIndexOrderMaxQueries = 4096;
 
 }  // namespace
@@ -44,7 +48,7 @@ struct BwdPlan {
   // At D 64 (query tiles of 128) increasing was 4% slower on 2 x 8k single documents (H200); the
   // split-D designs walk from the first, in decreasing order.
   bool may_ascend = false;
-  bool by_document = false;  // sm_90a default kernel, several query heads a block: documents heaviest first
+  bool by_document = false;  // sm_90a default kernel (GQA blocks, or head dims 96-128): documents heaviest first
 };
 
 BwdPlan bwd_plan(const AttentionArgs& a) {
@@ -88,7 +92,7 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   r.sm80_dq = a.deterministic && !r.sm90;
   r.ordered_dq = a.deterministic && r.sm90;
   r.may_ascend = r.ordered_dq && s.head_dim == 128 && s.v_dim() == s.head_dim;
-  r.by_document = r.sm90 && !r.ordered_dq && G / r.splits > 1;
+  r.by_document = r.sm90 && !r.ordered_dq && (G / r.splits > 1 || (s.head_dim > 64 && s.head_dim <= 128));
   WorkspaceLayout pl;
   r.q_sum = pl.take(sizeof(TileSummary) * s.batch * r.nq);
   r.kv_sum = pl.take(sizeof(TileSummary) * s.batch * r.nkv);

@@ -1,9 +1,10 @@
-// Key-tile order of the sm_90a backward when its blocks walk several query heads (GQA):
-// documents heaviest first, each document's key tiles in index order. A document's tiles run
-// together, so the blocks running at once share few documents' Q / dO / dQ tiles in L2 (which
-// heaviest-first order over all tiles breaks: one key tile of every document at once), and the
-// heaviest documents start first, so the last blocks to start are short ones (in index order a
-// long document at the end of the row starts its heaviest tile last).
+// Key-tile order of the sm_90a default backward when its blocks walk several query heads (GQA),
+// or at head dims 96-128 (bwd_plan's by_document): documents heaviest first, each document's key
+// tiles in index order. A document's tiles run together, so the blocks running at once share few
+// documents' Q / dO / dQ tiles in L2 (which heaviest-first order over all tiles breaks: one key
+// tile of every document at once), and the heaviest documents start first, so the last blocks to
+// start are short ones (in index order a long document at the end of the row starts its heaviest
+// tile last).
 #include <climits>
 
 #include "plan.cuh"
