@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "cuda/vector_store.cuh"
+#include "cutlass/fast_math.h"
 
 namespace jaxcp::cuda::small_seq {
 
@@ -41,6 +42,7 @@ struct Params {
   void* dk;
   void* dv;
   int64_t batch, q_heads, kv_heads, tokens;
+  cutlass::FastDivmod kv_heads_divmod;  // kv_heads, for task indices below 2^31
   int group, max_len;
   int warp_smem;  // bytes of shared memory per warp
   float scale;
@@ -242,10 +244,11 @@ __device__ __forceinline__ bool task_at(const Params& p, int64_t w, Task* t) {
     *t = Task{0, 0, 0, 0, 0u};
     return false;
   }
-  if (w < 0x7fffffff && p.kv_heads < 0x7fffffff) {  // 32-bit division: a third of the cost
-    const uint32_t b = static_cast<uint32_t>(w) / static_cast<uint32_t>(p.kv_heads);
+  if (w < 0x7fffffff && p.kv_heads < 0x7fffffff) {  // a multiply-high and a shift, not a division
+    int b, g;
+    p.kv_heads_divmod(b, g, static_cast<int>(w));
     t->b = b;
-    t->g = static_cast<int>(static_cast<uint32_t>(w) - b * static_cast<uint32_t>(p.kv_heads));
+    t->g = g;
   } else {
     t->b = w / p.kv_heads;
     t->g = static_cast<int>(w - t->b * p.kv_heads);

@@ -130,6 +130,8 @@ Params make_params(const SmallSeqArgs& a) {
   p.batch = a.batch;
   p.q_heads = a.q_heads;
   p.kv_heads = a.kv_heads;
+  // task_at divides task indices below 2^31 by it when kv_heads is below 2^31 too.
+  if (a.kv_heads < INT32_MAX) p.kv_heads_divmod = cutlass::FastDivmod(static_cast<int>(a.kv_heads));
   p.tokens = a.tokens;
   p.group = static_cast<int>(a.q_heads / a.kv_heads);
   p.max_len = static_cast<int>(a.max_len);
