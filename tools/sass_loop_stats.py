@@ -8,7 +8,9 @@ built from the same problem, e.g. the backward's consumer loop:
   python3 tools/sass_loop_stats.py bwd.o 'attention_bwd_sm90_kernel.*bfloat16.*Li128ELi2E'
   python3 tools/sass_loop_stats.py flash_api.so 'FlashAttnBwdSm90.*ILi64EEENS7_ILi128EEESB_'
 
-cuobjdump comes from $CUOBJDUMP, else the PATH (the CUDA toolkit, or pip's nvidia-cuda-cuobjdump).
+cuobjdump comes from $CUOBJDUMP, else the PATH (the CUDA toolkit, or pip's nvidia-cuda-cuobjdump);
+its -sass runs nvdisasm, which must be on the PATH too (pip's nvidia-cuda-nvdisasm; a toolkit
+with nvcc alone has neither).
 """
 import argparse
 import collections
@@ -68,7 +70,10 @@ def main():
     tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     if not tool:
         sys.exit("cuobjdump not found: set CUOBJDUMP or put the CUDA toolkit's bin on the PATH")
-    sass = subprocess.run([tool, "-sass", a.binary], capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([tool, "-sass", a.binary], capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"cuobjdump -sass failed (nvdisasm on the PATH?): {run.stderr.strip()}")
+    sass = run.stdout
     found = functions(sass, a.kernel)
     if not found:
         sys.exit(f"no function matches {a.kernel!r}")
