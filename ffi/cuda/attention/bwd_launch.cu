@@ -65,9 +65,11 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
   // to fill the GPU (partial dK/dV sums in float32, reduced in a fixed order).
   const int64_t G = s.kv_heads > 0 ? s.q_heads / s.kv_heads : 1;
   const int64_t base = r.nkv * s.kv_heads * s.batch;
-  // The deterministic kernel at D <= 128 gets one query head a block: a block of several heads
-  // walks them inside each query tile (one turn a tile for the group), 17% slower than head after
-  // head (4x16k doc4k 32/8, H200). Its dK / dV partials then take at most twice the dQ
+  // The deterministic kernel at D <= 128 gets one query head a block. Blocks of several heads
+  // were slower forward+backward on 4x16k doc4k and 1x128k doc8k, 32/8 (H200): two heads walked
+  // inside each query tile (one turn a tile for both) 2.5-6.7% at D 128 (D 64: 3.3% faster on
+  // the first, 1.5% slower on the second); the whole group head after head, a turn per (head,
+  // query tile), 14-19%. The dK / dV partials of one head a block take at most twice the dQ
   // accumulator's memory (keys no longer than the queries).
   const bool one_head_a_block = a.deterministic && r.sm90 && s.head_dim <= 128 && s.v_dim() == s.head_dim &&
                                 s.kv_len <= r.sq_pad;
