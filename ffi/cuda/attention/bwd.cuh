@@ -19,8 +19,12 @@ struct BwdParams {
   void* dq;         // [B, Sq, Hq, D] (dQ kernel output)
   void* dk;         // [B, Skv, Hkv, D] (when splits == 1)
   void* dv;         // [B, Skv, Hkv, Dv]: Dv = D but in the sm_90a kernel (sm90_value_head_dim)
-  float* dk_part;  // [splits, B, Skv, Hkv, D] float32 (when splits > 1)
-  float* dv_part;  // [splits, B, Skv, Hkv, Dv]
+  // When splits > 1, float32 partial sums: [splits, B, Skv, Hkv, D] (sm_80 kernel, reduced by
+  // split_reduce_kernel), or tiles [splits, B, nkv, Hkv, BN * D] (sm_90a kernel: summed by the
+  // last split of each key tile, counted in split_count [B, nkv, Hkv], zeroed per call).
+  float* dk_part;
+  float* dv_part;
+  int* split_count;
   int64_t B, Sq, Skv;
   int Hq, Hkv, group, splits;
   int64_t q_row, kv_row, v_row;  // elements per token: Hq * D, Hkv * D, Hkv * Dv
@@ -179,7 +183,7 @@ struct BwdPrepArgs {
 
 // bwd_prep.cu: the pre-pass (a.blocks_per_bh is set here), the deterministic sm_90a backward's dQ
 // tickets (p.dq_ticket), p.dq = Element(scale * p.dq_accum) for the sm_80 kernels' atomic dQ, and
-// p.dk / p.dv = sums of the split GQA groups' p.dk_part / p.dv_part.
+// p.dk / p.dv = sums of the sm_80 kernel's split GQA groups' p.dk_part / p.dv_part.
 template <class Element, int D, int Dv>
 cudaError_t launch_bwd_prep(BwdPrepArgs a, int64_t batch, cudaStream_t stream);
 cudaError_t launch_dq_tickets(const BwdParams& p, cudaStream_t stream);

@@ -33,7 +33,8 @@
 // deterministic backward orders its dQ adds the same way). At D 128 with one document a row it
 // is increasing, each block walking from the last: the heaviest blocks start first, as in the
 // default kernel's schedule. dK and dV need no turns: one block
-// writes each key tile's (split GQA groups' partial sums are reduced in a fixed order).
+// writes each key tile's (split GQA groups' partial sums are added in split order by the block of
+// the last split to finish: bwd_sm90_epilogue).
 // bwd_plan gives each query head its own block where it can (keys no longer than the queries).
 // A block of several heads runs them innermost (every head of a query tile, then the next tile)
 // and takes one turn per query tile for all of them (on the semaphore of its first head): a turn
@@ -142,24 +143,42 @@ __forceinline__ __device__ auto key_tile_tma(const Tma& tma, const BwdParams& p,
   return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
 }
 
-// Block w's key tile (BN keys x W) of a dK or dV accumulator, times scale, as float32 into its
-// split's partial sums [B, Skv, Hkv, W] (rows of `row` floats); keys past Skv are left out.
-template <int BN, int W, class TiledMma, class Acc>
-__forceinline__ __device__ void store_key_tile_part(const TiledMma& mma, int tidx, const Acc& acc, float* part,
-                                                    int64_t row, const BwdParams& p, const BwdBlock& w, float scale) {
-  Tensor tc = mma.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<BN>, Int<W>>{}));
-  Tensor tc_rc = make_tensor(tc.data(), acc_rowcol_sm90(tc.layout()));
-  Tensor acc_rc = make_tensor(acc.data(), acc_rowcol_sm90(acc.layout()));
-  float* out = part + (static_cast<int64_t>(w.b) * p.Skv + w.k0) * row + static_cast<int64_t>(w.hk) * W;
+// Split GQA groups' float32 partial sums of dK or dV: one tile per (split, b, key tile, kv head)
+// in the consumers' register-fragment order ([float4 chunk][consumer thread][4]: each warp stores
+// and loads 512 contiguous bytes), dK tiles and dV tiles apart (BwdParams::dk_part, dv_part).
+constexpr int kPartThreads = 256;  // the consumer warpgroups' threads
+template <int BN, int W>
+__forceinline__ __device__ float* part_tile(float* part, const BwdParams& p, const BwdBlock& w, int split) {
+  const int64_t tile = ((static_cast<int64_t>(split) * p.B + w.b) * p.nkv + w.n_block) * p.Hkv + w.hk;
+  return part + tile * (BN * W);
+}
+
+template <class Acc>
+__forceinline__ __device__ void store_part(float* tile, int tidx, const Acc& acc) {
   CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
-    const int r = get<0>(tc_rc(mi, 0));
-    if (r >= w.kv_rows) continue;
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(acc_rc); ni += 2)
-      *reinterpret_cast<float2*>(out + r * row + get<1>(tc_rc(mi, ni))) =
-          make_float2(acc_rc(mi, ni) * scale, acc_rc(mi, ni + 1) * scale);
+  for (int c = 0; c < size(acc) / 4; ++c)
+    reinterpret_cast<float4*>(tile)[c * kPartThreads + tidx] = make_float4(acc(4 * c), acc(4 * c + 1), acc(4 * c + 2), acc(4 * c + 3));
+}
+
+// acc = (add ? acc : 0) + tile, read from L2 (written by other blocks).
+template <class Acc>
+__forceinline__ __device__ void load_part(const float* tile, int tidx, Acc& acc, bool add) {
+  CUTE_UNROLL
+  for (int c = 0; c < size(acc) / 4; ++c) {
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(tile) + c * kPartThreads + tidx);
+    acc(4 * c) = add ? acc(4 * c) + v.x : v.x;
+    acc(4 * c + 1) = add ? acc(4 * c + 1) + v.y : v.y;
+    acc(4 * c + 2) = add ? acc(4 * c + 2) + v.z : v.z;
+    acc(4 * c + 3) = add ? acc(4 * c + 3) + v.w : v.w;
   }
+}
+
+// The partial tiles are read once: their L2 lines are dropped without being written to memory.
+__forceinline__ __device__ void discard_l2(const float* tile, int bytes, int tidx) {
+#if JAXCP_SM90_DEVICE
+  for (int off = tidx * 128; off < bytes; off += kPartThreads * 128)
+    asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(reinterpret_cast<const char*>(tile) + off) : "memory");
+#endif
 }
 
 template <class KT>
@@ -169,7 +188,7 @@ struct BwdSm90Params {
   typename KT::TmadO tma_do;
   typename KT::TmaK tma_k;
   typename KT::TmaV tma_v;
-  typename KT::TmaStoreK tma_dk;  // when p.splits == 1
+  typename KT::TmaStoreK tma_dk;
   typename KT::TmaStoreV tma_dv;
 };
 
@@ -330,47 +349,77 @@ __forceinline__ __device__ void bwd_sm90_producer(const BwdSm90Params<KT>& P, ty
   } while (more);
 }
 
+// dK and dV (already scaled) of block w's key tile out through the K and V tiles' shared memory,
+// which no GEMM reads any more once both warpgroups are here, by one TMA store each. Stored from
+// the fragments straight to global memory (4 bytes a thread, 8 rows of 16 bytes a warp), they
+// took 6 us per block, 8% of a block's time at 2 x 8k doc1k (H200, clock64 probe).
+template <class KT, class MmadK, class MmadV, class AccK, class AccV>
+__forceinline__ __device__ void store_key_tiles(const BwdSm90Params<KT>& P, typename KT::SharedStorage& ss,
+                                                const BwdBlock& w, int tidx, const MmadK& mma_dk,
+                                                const MmadV& mma_dv, const AccK& acc_dk, const AccV& acc_dv) {
+  using Element = typename KT::Element;
+  constexpr int BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
+  cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
+  Tensor rdK = make_fragment_like<Element>(acc_dk);
+  Tensor rdV = make_fragment_like<Element>(acc_dv);
+  convert_into(rdK, acc_dk);
+  convert_into(rdV, acc_dv);
+  store_fragment_pairs(mma_dk.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sK)), rdK);
+  store_fragment_pairs(mma_dv.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sV)), rdV);
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
+  if (tidx == 0) {
+    auto [tdKg, tdKs] = key_tile_tma<BN, D>(P.tma_dk, P.p, w, sK);
+    auto [tdVg, tdVs] = key_tile_tma<BN, Dv>(P.tma_dv, P.p, w, sV);
+    copy(P.tma_dk, tdKs, tdKg);  // rows past Skv are not written (the tensor's bounds)
+    copy(P.tma_dv, tdVs, tdVg);
+    tma_store_arrive();
+    tma_store_wait<0>();  // shared memory read: the block may exit
+  }
+}
+
 // The epilogue: dK = scale * sum dS^T Q, dV = sum P^T dO (zeros when the block had no work).
+// Split GQA groups: every split's block stores its float32 partial sums and counts itself on its
+// key tile; the last to count adds all splits' sums in split order (from L2 where the splits ran
+// close together: consecutive blocks within a scheduling chunk), drops them from L2 unwritten and
+// stores dK and dV. The sum is the same whichever block comes last. Against a reduce kernel after
+// this one, the deterministic 32/8 forward+backward is 2.8% faster on 4x16k doc4k, 0.5% on
+// 1x128k doc8k (2.1% and 0.4% at D 64; H200).
 template <class KT, class MmadK, class MmadV, class AccK, class AccV>
 __forceinline__ __device__ void bwd_sm90_epilogue(const BwdSm90Params<KT>& P, typename KT::SharedStorage& ss,
                                                   const BwdBlock& w, int tidx, const MmadK& mma_dk, const MmadV& mma_dv,
                                                   AccK& acc_dk, AccV& acc_dv) {
-  using Element = typename KT::Element;
   constexpr int BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
+  static_assert(KT::kConsumerThreads == kPartThreads);
   const BwdParams& p = P.p;
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename KT::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename KT::SmemLayoutV{});
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc_dk); ++e) acc_dk(e) *= p.scale;
   if (p.splits == 1) {
-    // Through the K and V tiles' shared memory, which no GEMM reads any more once both
-    // warpgroups are here, and out by one TMA store each. Stored from the fragments straight to
-    // global memory (4 bytes a thread, 8 rows of 16 bytes a warp), they took 6 us per block,
-    // 8% of a block's time at 2 x 8k doc1k (H200, clock64 probe).
-    cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc_dk); ++e) acc_dk(e) *= p.scale;
-    Tensor rdK = make_fragment_like<Element>(acc_dk);
-    Tensor rdV = make_fragment_like<Element>(acc_dv);
-    convert_into(rdK, acc_dk);
-    convert_into(rdV, acc_dv);
-    store_fragment_pairs(mma_dk.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sK)), rdK);
-    store_fragment_pairs(mma_dv.get_thread_slice(tidx).partition_C(as_position_independent_swizzle_tensor(sV)), rdV);
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
-    if (tidx == 0) {
-      auto [tdKg, tdKs] = key_tile_tma<BN, D>(P.tma_dk, p, w, sK);
-      auto [tdVg, tdVs] = key_tile_tma<BN, Dv>(P.tma_dv, p, w, sV);
-      copy(P.tma_dk, tdKs, tdKg);  // rows past Skv are not written (the tensor's bounds)
-      copy(P.tma_dv, tdVs, tdVg);
-      tma_store_arrive();
-      tma_store_wait<0>();  // shared memory read: the block may exit
-    }
+    store_key_tiles(P, ss, w, tidx, mma_dk, mma_dv, acc_dk, acc_dv);
     return;
   }
-  // Split GQA groups: float32 partial sums, reduced by a later kernel.
-  const int64_t part_k = static_cast<int64_t>(w.split) * p.B * p.Skv * p.kv_row;
-  const int64_t part_v = static_cast<int64_t>(w.split) * p.B * p.Skv * p.v_row;
-  store_key_tile_part<BN, D>(mma_dk, tidx, acc_dk, p.dk_part + part_k, p.kv_row, p, w, p.scale);
-  store_key_tile_part<BN, Dv>(mma_dv, tidx, acc_dv, p.dv_part + part_v, p.v_row, p, w, 1.f);
+  store_part(part_tile<BN, D>(p.dk_part, p, w, w.split), tidx, acc_dk);
+  store_part(part_tile<BN, Dv>(p.dv_part, p, w, w.split), tidx, acc_dv);
+  __threadfence();  // this thread's partial sums, before the block counts itself
+  cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
+  if (tidx == 0) {
+    const int count = atomicAdd(p.split_count + (static_cast<int64_t>(w.b) * p.nkv + w.n_block) * p.Hkv + w.hk, 1);
+    ss.last_split = count == p.splits - 1;
+  }
+  cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
+  if (!ss.last_split) return;
+  __threadfence();  // the other splits' sums, after their count
+  // part[0] + part[1] + ... in split order (this block's own too, back from L2)
+  for (int s = 0; s < p.splits; ++s) load_part(part_tile<BN, D>(p.dk_part, p, w, s), tidx, acc_dk, s > 0);
+  for (int s = 0; s < p.splits; ++s) load_part(part_tile<BN, Dv>(p.dv_part, p, w, s), tidx, acc_dv, s > 0);
+  cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);  // every thread's loads
+  for (int s = 0; s < p.splits; ++s) {
+    discard_l2(part_tile<BN, D>(p.dk_part, p, w, s), BN * D * 4, tidx);
+    discard_l2(part_tile<BN, Dv>(p.dv_part, p, w, s), BN * Dv * 4, tidx);
+  }
+  store_key_tiles(P, ss, w, tidx, mma_dk, mma_dv, acc_dk, acc_dv);
 }
 
 // The two consumer warpgroups: every step's GEMMs, P^T and dS^T, dQ handed to the writer warp (or
@@ -762,12 +811,10 @@ cudaError_t launch_bwd_sm90_impl(const BwdParams& p, bool convert_dq, cudaStream
                           Shape<Int<BN>, Int<D>>{}, _1{});
   P.tma_v = make_tma_copy(SM90_TMA_LOAD{}, g(Int<Dv>{}, p.v, p.Skv, p.Hkv), typename KT::SmemLayoutV{},
                           Shape<Int<BN>, Int<Dv>>{}, _1{});
-  if (p.splits == 1) {
-    P.tma_dk = make_tma_copy(SM90_TMA_STORE{}, g(Int<D>{}, p.dk, p.Skv, p.Hkv), typename KT::SmemLayoutK{},
-                             Shape<Int<BN>, Int<D>>{}, _1{});
-    P.tma_dv = make_tma_copy(SM90_TMA_STORE{}, g(Int<Dv>{}, p.dv, p.Skv, p.Hkv), typename KT::SmemLayoutV{},
-                             Shape<Int<BN>, Int<Dv>>{}, _1{});
-  }
+  P.tma_dk = make_tma_copy(SM90_TMA_STORE{}, g(Int<D>{}, p.dk, p.Skv, p.Hkv), typename KT::SmemLayoutK{},
+                           Shape<Int<BN>, Int<D>>{}, _1{});
+  P.tma_dv = make_tma_copy(SM90_TMA_STORE{}, g(Int<Dv>{}, p.dv, p.Skv, p.Hkv), typename KT::SmemLayoutV{},
+                           Shape<Int<BN>, Int<Dv>>{}, _1{});
   auto kernel = attention_bwd_sm90_kernel<KT, false>;
   if constexpr (!KT::kSplitD) {
     if (p.dq_sem != nullptr) {

@@ -104,6 +104,7 @@ struct BwdSm90Common {
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineDO::SharedStorage pipe_do;
     alignas(8) uint64_t kv_full;
+    int last_split;  // split GQA groups: this block is its key tile's last split (epilogue)
   };
 };
 
