@@ -157,7 +157,8 @@ template <class Acc>
 __forceinline__ __device__ void store_part(float* tile, int tidx, const Acc& acc) {
   CUTE_UNROLL
   for (int c = 0; c < size(acc) / 4; ++c)
-    reinterpret_cast<float4*>(tile)[c * kPartThreads + tidx] = make_float4(acc(4 * c), acc(4 * c + 1), acc(4 * c + 2), acc(4 * c + 3));
+    reinterpret_cast<float4*>(tile)[c * kPartThreads + tidx] =
+        make_float4(acc(4 * c), acc(4 * c + 1), acc(4 * c + 2), acc(4 * c + 3));
 }
 
 // acc = (add ? acc : 0) + tile, read from L2 (written by other blocks).
