@@ -258,7 +258,10 @@ def test_backward_gqa_by_document_over_many_rows():
   """The document order of GQA blocks over more key tiles than its one-block sort takes at once
   (8 rows of 20480 tokens: 1280 key tiles, two chunks of 1024) and documents that stop at row
   ends: dQ, dK and dV as the deterministic kernel gives them (its own order, one head a block),
-  which needs no reference of 20480^2 scores per row."""
+  which needs no reference of 20480^2 scores per row. There each of a group's 4 splits runs in a
+  scheduling chunk of its own, over every key tile, so the block that sums a key tile's float32
+  partial dK / dV (the last split to finish) reads the other splits' sums back long after they
+  were written."""
   rng = np.random.default_rng(11)
   b, s = 8, 20480
   seg = random_segments(rng, b, s, mean_doc=3000)
