@@ -17,7 +17,7 @@ struct BwdParams {
   const int32_t* kv_pos;
   float* dq_accum;  // float32, unscaled (atomic dQ mode): [B, Sq, Hq, D], or per query tile (sm_90a)
   void* dq;         // [B, Sq, Hq, D] (dQ kernel output)
-  void* dk;         // [B, Skv, Hkv, D] (when splits == 1)
+  void* dk;         // [B, Skv, Hkv, D]
   void* dv;         // [B, Skv, Hkv, Dv]: Dv = D but in the sm_90a kernel (sm90_value_head_dim)
   // When splits > 1, float32 partial sums: [splits, B, Skv, Hkv, D] (sm_80 kernel, reduced by
   // split_reduce_kernel), or tiles [splits, B, nkv, Hkv, BN * D] (sm_90a kernel: summed by the

@@ -146,27 +146,27 @@ __forceinline__ __device__ auto key_tile_tma(const Tma& tma, const BwdParams& p,
 // Split GQA groups' float32 partial sums of dK or dV: one tile per (split, b, key tile, kv head)
 // in the consumers' register-fragment order ([float4 chunk][consumer thread][4]: each warp stores
 // and loads 512 contiguous bytes), dK tiles and dV tiles apart (BwdParams::dk_part, dv_part).
-constexpr int kPartThreads = 256;  // the consumer warpgroups' threads
+// kThreads: the consumer warpgroups' threads.
 template <int BN, int W>
 __forceinline__ __device__ float* part_tile(float* part, const BwdParams& p, const BwdBlock& w, int split) {
   const int64_t tile = ((static_cast<int64_t>(split) * p.B + w.b) * p.nkv + w.n_block) * p.Hkv + w.hk;
   return part + tile * (BN * W);
 }
 
-template <class Acc>
+template <int kThreads, class Acc>
 __forceinline__ __device__ void store_part(float* tile, int tidx, const Acc& acc) {
   CUTE_UNROLL
   for (int c = 0; c < size(acc) / 4; ++c)
-    reinterpret_cast<float4*>(tile)[c * kPartThreads + tidx] =
+    reinterpret_cast<float4*>(tile)[c * kThreads + tidx] =
         make_float4(acc(4 * c), acc(4 * c + 1), acc(4 * c + 2), acc(4 * c + 3));
 }
 
 // acc = (add ? acc : 0) + tile, read from L2 (written by other blocks).
-template <class Acc>
+template <int kThreads, class Acc>
 __forceinline__ __device__ void load_part(const float* tile, int tidx, Acc& acc, bool add) {
   CUTE_UNROLL
   for (int c = 0; c < size(acc) / 4; ++c) {
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(tile) + c * kPartThreads + tidx);
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(tile) + c * kThreads + tidx);
     acc(4 * c) = add ? acc(4 * c) + v.x : v.x;
     acc(4 * c + 1) = add ? acc(4 * c + 1) + v.y : v.y;
     acc(4 * c + 2) = add ? acc(4 * c + 2) + v.z : v.z;
@@ -175,9 +175,10 @@ __forceinline__ __device__ void load_part(const float* tile, int tidx, Acc& acc,
 }
 
 // The partial tiles are read once: their L2 lines are dropped without being written to memory.
+template <int kThreads>
 __forceinline__ __device__ void discard_l2(const float* tile, int bytes, int tidx) {
 #if JAXCP_SM90_DEVICE
-  for (int off = tidx * 128; off < bytes; off += kPartThreads * 128)
+  for (int off = tidx * 128; off < bytes; off += kThreads * 128)
     asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(reinterpret_cast<const char*>(tile) + off) : "memory");
 #endif
 }
@@ -392,8 +393,7 @@ template <class KT, class MmadK, class MmadV, class AccK, class AccV>
 __forceinline__ __device__ void bwd_sm90_epilogue(const BwdSm90Params<KT>& P, typename KT::SharedStorage& ss,
                                                   const BwdBlock& w, int tidx, const MmadK& mma_dk, const MmadV& mma_dv,
                                                   AccK& acc_dk, AccV& acc_dv) {
-  constexpr int BN = KT::kBN, D = KT::kD, Dv = KT::kDv;
-  static_assert(KT::kConsumerThreads == kPartThreads);
+  constexpr int BN = KT::kBN, D = KT::kD, Dv = KT::kDv, kThreads = KT::kConsumerThreads;
   const BwdParams& p = P.p;
   CUTE_UNROLL
   for (int e = 0; e < size(acc_dk); ++e) acc_dk(e) *= p.scale;
@@ -401,8 +401,8 @@ __forceinline__ __device__ void bwd_sm90_epilogue(const BwdSm90Params<KT>& P, ty
     store_key_tiles(P, ss, w, tidx, mma_dk, mma_dv, acc_dk, acc_dv);
     return;
   }
-  store_part(part_tile<BN, D>(p.dk_part, p, w, w.split), tidx, acc_dk);
-  store_part(part_tile<BN, Dv>(p.dv_part, p, w, w.split), tidx, acc_dv);
+  store_part<kThreads>(part_tile<BN, D>(p.dk_part, p, w, w.split), tidx, acc_dk);
+  store_part<kThreads>(part_tile<BN, Dv>(p.dv_part, p, w, w.split), tidx, acc_dv);
   __threadfence();  // this thread's partial sums, before the block counts itself
   cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);
   if (tidx == 0) {
@@ -413,12 +413,12 @@ __forceinline__ __device__ void bwd_sm90_epilogue(const BwdSm90Params<KT>& P, ty
   if (!ss.last_split) return;
   __threadfence();  // the other splits' sums, after their count
   // part[0] + part[1] + ... in split order (this block's own too, back from L2)
-  for (int s = 0; s < p.splits; ++s) load_part(part_tile<BN, D>(p.dk_part, p, w, s), tidx, acc_dk, s > 0);
-  for (int s = 0; s < p.splits; ++s) load_part(part_tile<BN, Dv>(p.dv_part, p, w, s), tidx, acc_dv, s > 0);
+  for (int s = 0; s < p.splits; ++s) load_part<kThreads>(part_tile<BN, D>(p.dk_part, p, w, s), tidx, acc_dk, s > 0);
+  for (int s = 0; s < p.splits; ++s) load_part<kThreads>(part_tile<BN, Dv>(p.dv_part, p, w, s), tidx, acc_dv, s > 0);
   cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarEpilogue);  // every thread's loads
   for (int s = 0; s < p.splits; ++s) {
-    discard_l2(part_tile<BN, D>(p.dk_part, p, w, s), BN * D * 4, tidx);
-    discard_l2(part_tile<BN, Dv>(p.dv_part, p, w, s), BN * Dv * 4, tidx);
+    discard_l2<kThreads>(part_tile<BN, D>(p.dk_part, p, w, s), BN * D * 4, tidx);
+    discard_l2<kThreads>(part_tile<BN, Dv>(p.dv_part, p, w, s), BN * Dv * 4, tidx);
   }
   store_key_tiles(P, ss, w, tidx, mma_dk, mma_dv, acc_dk, acc_dv);
 }
