@@ -17,6 +17,7 @@
 
 #include "common/attention_shape.h"
 #include "common/mask.h"
+#include "cuda/device_query.h"
 #include "launchers.h"
 
 namespace jaxcp::cuda {
@@ -125,12 +126,6 @@ cudaError_t launch_doc_tile_plan(const TileTokens& q, int64_t n_kv_tiles,
 // Whether the current device is sm_90 and runs this build's sm_90a images (cached per device;
 // fwd_sm90.cu).
 bool sm90_kernels_available();
-
-// Multiprocessors of the current device (132 when the query fails).
-int multiprocessor_count();
-
-// Enables > 48 KB of dynamic shared memory for `kernel` on the current device (once per device).
-cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_mask);
 
 namespace detail {
 using namespace cute;

@@ -6,16 +6,16 @@
 //   dQ_h = scale sum_j dS_hj K_j,  dK_j = scale sum_h dS_hj Q_h,  dV_j = sum_h P_hj dO_h,
 // each output row written once from registers. Tokens below the row's length that it does not
 // attend get zero dK/dV from the same code (their P and dS are 0); tokens no row covers are
-// zeroed by zero_uncovered.
+// zeroed by zero_uncovered. From 8 tokens on at D <= 128, each lane group walks several tasks
+// (bwd_lanes_persistent).
 #pragma once
 #include "lanes.cuh"
 
 namespace jaxcp::cuda::small_seq {
 
 template <typename T, int D, int NT, int GH>
-__global__ void __launch_bounds__(kLanesBlockThreads) small_seq_bwd_lanes_kernel(const Params p) {
+__device__ __forceinline__ void bwd_lanes_task(const Params& p, const LaneTask<D>& lt) {
   constexpr int L = Lanes<D>::kL, C = Lanes<D>::kC;
-  const LaneTask<D> lt(p);
   const Task& t = lt.t;
   const int ML = p.max_len;
   const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * GH;
@@ -76,6 +76,20 @@ __global__ void __launch_bounds__(kLanesBlockThreads) small_seq_bwd_lanes_kernel
     store_row<T, D>(static_cast<T*>(p.dv) + off, dv, 1.f);
   }
   zero_uncovered<T, D>(p, t, lt.lane, next, L);
+}
+
+// Whether the backward for D and NT walks several tasks a lane group (lanes_walk): from 8 tokens
+// on at D <= 128. At D 256 (8 tokens, one head) the walk did not pay (forward+backward 1.44 ->
+// 1.45-1.49 ms at B = 262144, where its forward gained 0.06 ms); at D 512 it took 168 -> 254
+// registers (3 -> 2 blocks).
+constexpr bool bwd_lanes_persistent(int d, int nt) { return nt >= 8 && d <= 128; }
+
+template <typename T, int D, int NT, int GH>
+__global__ void __launch_bounds__(kLanesBlockThreads) small_seq_bwd_lanes_kernel(const Params p) {
+  if constexpr (bwd_lanes_persistent(D, NT))
+    lanes_walk<D>(p, [&](const LaneTask<D>& lt) { bwd_lanes_task<T, D, NT, GH>(p, lt); });
+  else
+    bwd_lanes_task<T, D, NT, GH>(p, LaneTask<D>(p));
 }
 
 }  // namespace jaxcp::cuda::small_seq

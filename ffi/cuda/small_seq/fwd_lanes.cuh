@@ -3,15 +3,15 @@
 // neither loaded nor counted. Per query head of the group (its Q row prefetched during the
 // previous head): scores, a softmax every lane of the group computes redundantly, the
 // probabilities written by lane j mod L, then O = P V.
+// From 8 tokens on, each lane group walks several tasks (fwd_lanes_persistent).
 #pragma once
 #include "lanes.cuh"
 
 namespace jaxcp::cuda::small_seq {
 
 template <typename T, int D, int NT>
-__global__ void __launch_bounds__(kLanesBlockThreads) small_seq_fwd_lanes_kernel(const Params p) {
+__device__ __forceinline__ void fwd_lanes_task(const Params& p, const LaneTask<D>& lt) {
   constexpr int L = Lanes<D>::kL, C = Lanes<D>::kC;
-  const LaneTask<D> lt(p);
   const Task& t = lt.t;
   const int G = p.group, ML = p.max_len;
   const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
@@ -64,6 +64,20 @@ __global__ void __launch_bounds__(kLanesBlockThreads) small_seq_fwd_lanes_kernel
       if (j % L == lt.lane && j < ML) prow[j] = s[j];
     store_row<T, D>(static_cast<T*>(p.out) + (row0 + h) * D + lt.lane * 8, o, 1.f);
   }
+}
+
+// Whether the forward for D and NT walks several tasks a lane group (lanes_walk): from 8 tokens
+// on, where the walk leaves the resident blocks the same (104 -> 128 registers at D 64 and 8
+// tokens, 4 blocks of 4 warps either way). At 2 and 4 tokens it cost blocks (44 -> 64, 64 -> 80
+// registers; capped by launch bounds, they spilled).
+constexpr bool fwd_lanes_persistent(int d, int nt) { return nt >= 8 && d <= 256; }
+
+template <typename T, int D, int NT>
+__global__ void __launch_bounds__(kLanesBlockThreads) small_seq_fwd_lanes_kernel(const Params p) {
+  if constexpr (fwd_lanes_persistent(D, NT))
+    lanes_walk<D>(p, [&](const LaneTask<D>& lt) { fwd_lanes_task<T, D, NT>(p, lt); });
+  else
+    fwd_lanes_task<T, D, NT>(p, LaneTask<D>(p));
 }
 
 }  // namespace jaxcp::cuda::small_seq

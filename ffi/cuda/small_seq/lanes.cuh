@@ -34,6 +34,8 @@ struct LaneTask {
     lane = static_cast<int>(thread % Lanes<D>::kL);
     has = task_at(p, thread / Lanes<D>::kL, &t);
   }
+  __device__ LaneTask(const Task& task, int lane_in_group, bool exists)
+      : t(task), lane(lane_in_group), has(exists) {}
   // Whether the row attends to token j.
   __device__ bool attends(int j) const { return j < t.len && allowed(t.mask, j); }
   // Element offset of this lane's first chunk of token j's row (head g) in K/V [T, Hkv, D].
@@ -41,6 +43,32 @@ struct LaneTask {
     return ((t.start + j) * p.kv_heads + t.g) * D + lane * 8;
   }
 };
+
+// Runs task(lane task) for this thread's lane group's tasks w, w + stride, ... on a grid of the
+// blocks resident at once (launch.cu: launch_lanes<D, true>), loading the next task's index entries (row start, length,
+// mask) while the current one runs: only a group's first task waits for them before its loads.
+// The walk's state takes 16-24 registers: the kernels walk where that leaves their resident
+// blocks the same (fwd_lanes_persistent, bwd_lanes_persistent).
+template <int D, typename F>
+__device__ __forceinline__ void lanes_walk(const Params& p, F&& task) {
+  constexpr int L = Lanes<D>::kL;
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x / L;  // tasks per sweep
+  const int lane = static_cast<int>(thread % L);
+  const int64_t tasks = p.batch * p.kv_heads;
+  // Every lane of a warp takes the same steps (the shuffles need all of them): while the warp's
+  // first task exists; lanes past the last task run empty tasks.
+  int64_t w = thread / L, first = (thread - (threadIdx.x & 31)) / L;
+  Task t;
+  bool has = task_at(p, w, &t);
+  for (; first < tasks; first += stride, w += stride) {
+    Task next;
+    const bool next_has = task_at(p, w + stride, &next);
+    task(LaneTask<D>(t, lane, has));
+    t = next;
+    has = next_has;
+  }
+}
 
 __device__ __forceinline__ uint4 ldg16(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));

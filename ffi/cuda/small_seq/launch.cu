@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda/device_query.h"
 #include "bwd_cuda_core.cuh"
 #include "bwd_lanes.cuh"
 #include "bwd_lanes_gqa.cuh"
@@ -168,12 +169,20 @@ cudaError_t with_tokens(int64_t max_len, F&& f) {
   }
 }
 
-template <typename Kernel>
-cudaError_t launch_lanes(Kernel kernel, const SmallSeqArgs& a, int lanes, const Params& p,
+// A lane-group kernel for D: a block per 128 / L tasks, or where its lane groups walk several
+// tasks (kWalks: lanes_walk), at most the blocks resident at once (any grid size gives the same
+// results).
+template <int D, bool kWalks>
+cudaError_t launch_lanes(void (*kernel)(Params), const SmallSeqArgs& a, const Params& p,
                          cudaStream_t stream) {
-  const int64_t threads = a.batch * a.kv_heads * lanes;
+  const int64_t threads = a.batch * a.kv_heads * Lanes<D>::kL;
   if (threads == 0) return cudaSuccess;
-  const int64_t blocks = (threads + kLanesBlockThreads - 1) / kLanesBlockThreads;
+  int64_t blocks = (threads + kLanesBlockThreads - 1) / kLanesBlockThreads;
+  if constexpr (kWalks) {
+    const void* k = reinterpret_cast<const void*>(kernel);
+    blocks = std::min<int64_t>(blocks, static_cast<int64_t>(multiprocessor_count()) *
+                                           resident_blocks_per_sm(k, kLanesBlockThreads));
+  }
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   kernel<<<static_cast<unsigned>(blocks), kLanesBlockThreads, 0, stream>>>(p);
   return cudaGetLastError();
@@ -187,7 +196,8 @@ cudaError_t fwd_lanes(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
     if constexpr (D == 512 && NT > 8) {
       return cudaErrorInvalidValue;
     } else {
-      return launch_lanes(small_seq_fwd_lanes_kernel<T, D, NT>, a, Lanes<D>::kL, p, s);
+      return launch_lanes<D, fwd_lanes_persistent(D, NT)>(small_seq_fwd_lanes_kernel<T, D, NT>, a,
+                                                          p, s);
     }
   });
 }
@@ -197,15 +207,16 @@ cudaError_t bwd_lanes(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
   if (!lanes_bwd_fits(a, p.group)) return cudaErrorInvalidValue;
   return with_tokens(a.max_len, [&](auto nt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
-    constexpr int L = Lanes<D>::kL;
     if constexpr (D == 512 && NT > 8) {
       return cudaErrorInvalidValue;
     } else if (p.group == 1) {
-      return launch_lanes(small_seq_bwd_lanes_kernel<T, D, NT, 1>, a, L, p, s);
+      return launch_lanes<D, bwd_lanes_persistent(D, NT)>(
+          small_seq_bwd_lanes_kernel<T, D, NT, 1>, a, p, s);
     } else if (p.group == 2) {
-      return launch_lanes(small_seq_bwd_lanes_kernel<T, D, NT, 2>, a, L, p, s);
+      return launch_lanes<D, bwd_lanes_persistent(D, NT)>(
+          small_seq_bwd_lanes_kernel<T, D, NT, 2>, a, p, s);
     } else if constexpr (D <= 256 && NT <= 4) {
-      return launch_lanes(small_seq_bwd_lanes_gqa_kernel<T, D, NT>, a, L, p, s);
+      return launch_lanes<D, false>(small_seq_bwd_lanes_gqa_kernel<T, D, NT>, a, p, s);
     } else {
       return cudaErrorInvalidValue;
     }

@@ -1,6 +1,9 @@
-// Queries of the current device that the launchers share (cached per device where they are asked
-// at every call).
-#include "device.cuh"
+// Queries of the current device that the attention and small-seq launchers share.
+#include "cuda/device_query.h"
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
 
 namespace jaxcp::cuda {
 
@@ -21,6 +24,21 @@ cudaError_t set_max_dynamic_smem(const void* kernel, int bytes, unsigned* done_m
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess && bit) __atomic_fetch_or(done_mask, bit, __ATOMIC_ACQ_REL);
   return err;
+}
+
+int resident_blocks_per_sm(const void* kernel, int block_threads) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (auto it = known.find(kernel); it != known.end()) return it->second;
+  int blocks = 0;
+  const cudaError_t err =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, block_threads, 0);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not the launch's error: it runs with one block a multiprocessor
+    blocks = 1;
+  }
+  return known[kernel] = std::max(blocks, 1);
 }
 
 }  // namespace jaxcp::cuda
