@@ -3,7 +3,7 @@
 // neither loaded nor counted. Per query head of the group (its Q row prefetched during the
 // previous head): scores, a softmax every lane of the group computes redundantly, the
 // probabilities written by lane j mod L, then O = P V.
-// From 8 tokens on, each lane group walks several tasks (fwd_lanes_persistent).
+// From 8 tokens on at D <= 256, each lane group walks several tasks (fwd_lanes_persistent).
 #pragma once
 #include "lanes.cuh"
 
@@ -69,7 +69,8 @@ __device__ __forceinline__ void fwd_lanes_task(const Params& p, const LaneTask<D
 // Whether the forward for D and NT walks several tasks a lane group (lanes_walk): from 8 tokens
 // on, where the walk leaves the resident blocks the same (104 -> 128 registers at D 64 and 8
 // tokens, 4 blocks of 4 warps either way). At 2 and 4 tokens it cost blocks (44 -> 64, 64 -> 80
-// registers; capped by launch bounds, they spilled).
+// registers; capped by launch bounds, they spilled). D 512 (up to 8 tokens) was not measured
+// walking and runs one task a lane group.
 constexpr bool fwd_lanes_persistent(int d, int nt) { return nt >= 8 && d <= 256; }
 
 template <typename T, int D, int NT>

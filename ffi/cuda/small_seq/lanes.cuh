@@ -45,8 +45,9 @@ struct LaneTask {
 };
 
 // Runs task(lane task) for this thread's lane group's tasks w, w + stride, ... on a grid of the
-// blocks resident at once (launch.cu: launch_lanes<D, true>), loading the next task's index entries (row start, length,
-// mask) while the current one runs: only a group's first task waits for them before its loads.
+// blocks resident at once (launch.cu: launch_lanes<D, true>), loading the next task's index
+// entries (row start, length, mask) while the current one runs: only a group's first task waits
+// for them before its loads.
 // The walk's state takes 16-24 registers: the kernels walk where that leaves their resident
 // blocks the same (fwd_lanes_persistent, bwd_lanes_persistent).
 template <int D, typename F>
