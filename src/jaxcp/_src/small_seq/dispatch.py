@@ -17,9 +17,14 @@ sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
     and 262144, Skv 12, padded and ragged): D 64 0.69-0.74x mma forward and 0.70-0.90x backward
     with 4-32 heads (0.75-0.95x / 0.74-0.99x with one), D 128 0.94-1.05x / 0.91-1.02x, D 256
     0.94-1.00x / 0.90-0.98x; at 16 keys mma ties or wins (up to 1.36x at D 256) -> lanes up to 12
-    keys, mma above (forward and backward);
+    keys, mma above (forward and backward). With lane groups walking several rows from 8 keys on
+    (one H200, 2026-12-02, B 262144, one head): at 16 keys lanes 0.94-0.98x mma forward at D 64,
+    1.00x at D 128 (padded), backward 0.90-1.04x at D 64 and 1.02x at D 128: within a run's
+    noise, so the rule stands; at 8-12 keys lanes 0.57-0.91x mma forward;
   - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
-    otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128;
+    otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128; with
+    lane groups walking several rows, 4/1 heads at B 262144 (2026-12-02): lanes 1.11-1.74x mma at
+    8-16 keys of D 64, 1.34-1.86x at D 128;
   - groups over 2 heads, backward (heads streamed through the lane group; one H200, 2026-11-29,
     padded): groups of 3-4 (B 262144; 4/1, 6/2, 8/2 heads), lanes over mma at 2 keys 0.51-0.53x
     (D 64), 0.65-0.77x (D 128), 0.81-0.92x (D 256); at 4 keys 0.66-0.78x (D 64), 0.89-1.02x
