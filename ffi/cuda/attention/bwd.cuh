@@ -67,7 +67,8 @@ struct BwdParams {
 // document, heaviest first, see kBwdIndexOrderMaxQueries; for the deterministic sm_90a kernel in
 // its turn order: bwd_turn_order_kernel) with the pairs of a tile on consecutive blocks. Small
 // chunks keep the blocks running together on few heads (their Q / dO stay in L2); chunks of >= ~4
-// waves keep the longest-first order.
+// waves keep the longest-first order (the sm_90a kernel's hold no more heads than L2 holds the Q,
+// dO and dQ rows of: bwd_plan).
 struct BwdBlock {
   int b, n_block, hk, split, h_begin, h_end, kv_rows;
   int64_t k0;
