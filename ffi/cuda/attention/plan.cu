@@ -59,8 +59,10 @@ __device__ bool run_is_consecutive(const TileSummary& a, const int32_t* pos, int
   return __all_sync(0xffffffffu, rising);
 }
 
-// One warp per row tile scans all column tiles. The ends of the range are then checked pair by
-// pair and tiles with no allowed pair dropped (with the skipped run behind them): otherwise the
+// One block per row tile: its warps scan the column tiles 32 at a time in turn (several warps
+// and loads in flight: the scan is bound by load latency) and warp 0 joins their ranges. It
+// then checks the ends of the range pair by
+// pair and drops tiles with no allowed pair (with the skipped run behind them): otherwise the
 // kernels would compute such a tile, and walk the run of skipped tiles between it and the rest
 // one summary load at a time. Such tiles: with a window or chunks, a document's start tile seen
 // from a window away; under any mask, the tile that ends the last document and starts the
@@ -76,10 +78,9 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
     const TileSummary* __restrict__ rows, int64_t n_rows, TileTokens row_tokens,
     const TileSummary* __restrict__ cols, int64_t n_cols, TileTokens col_tokens, MaskParams mask,
     bool rows_are_q, TileRange* __restrict__ out) {
-  const int lane = threadIdx.x % 32;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRangeWarps + threadIdx.x / 32;
-  const int64_t b = blockIdx.y;
-  if (r >= n_rows) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t r = blockIdx.x, b = blockIdx.y;
+  __shared__ int2 warp_ranges[2][kRangeWarps];  // by run parity: warp 0 reads run k's while others write k + 1's
   const int64_t tok0 = r * row_tokens.tile;
   const int n_tok = static_cast<int>(min(static_cast<int64_t>(row_tokens.tile), row_tokens.len - tok0));
   const int32_t* row_seg = row_tokens.seg + b * row_tokens.len + tok0;
@@ -112,8 +113,15 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
       const TileSummary s = cols[b * n_cols + c];
       return static_cast<int>(rows_are_q ? classify_tiles(a, s, mask) : classify_tiles(s, a, mask));
     };
-    const int2 range = detail::warp_unskipped_range(n_cols, class_of);
-    int f = range.x, l = range.y;
+    const int2 part = detail::warp_unskipped_range(n_cols, class_of, 32 * warp, 32 * kRangeWarps);
+    if (lane == 0) warp_ranges[run & 1][warp] = part;
+    __syncthreads();  // every warp takes the same runs
+    if (warp != 0) continue;
+    int f = INT_MAX, l = -1;
+    for (int w = 0; w < kRangeWarps; ++w) {
+      f = min(f, warp_ranges[run & 1][w].x);
+      l = max(l, warp_ranges[run & 1][w].y);
+    }
     if (f <= l) {
       const bool consecutive = run_is_consecutive(a, row_pos + lo, hi - lo);
       auto interacts = [&](int c) {
@@ -144,7 +152,7 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
       last = max(last, l);
     }
   }
-  if (lane == 0) out[b * n_rows + r] = first <= last ? make_int2(first, last + 1) : make_int2(0, 0);
+  if (warp == 0 && lane == 0) out[b * n_rows + r] = first <= last ? make_int2(first, last + 1) : make_int2(0, 0);
 }
 
 constexpr int kSchedThreads = 1024, kSchedBuckets = 2 * kSchedThreads;
@@ -219,8 +227,8 @@ cudaError_t launch_tile_ranges(const TileSummary* rows, int64_t n_rows, const Ti
   if (batch > 65535) return cudaErrorInvalidValue;
   // tokens_interact gives a lane at most 4 tokens of the key side
   if ((rows_are_q ? col_tokens.tile : row_tokens.tile) > kMaxTileTokens) return cudaErrorInvalidValue;
-  const int64_t blocks = ceil_div64(n_rows, kRangeWarps);
-  tile_range_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)),
+  if (n_rows > INT_MAX) return cudaErrorInvalidValue;
+  tile_range_kernel<<<dim3(static_cast<unsigned>(n_rows), static_cast<unsigned>(batch)),
                       kRangeWarps * 32, 0, stream>>>(rows, n_rows, row_tokens, cols, n_cols, col_tokens,
                                                      mask, rows_are_q, out);
   return cudaGetLastError();

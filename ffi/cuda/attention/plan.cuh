@@ -76,12 +76,14 @@ __device__ inline TileSummary warp_merge_summary(TileSummary s) {
   return s;
 }
 
-// The first and last of tiles [0, n) whose class_of(index) is not kSkip ({INT_MAX, -1}: none),
-// the warp's lanes taking every 32nd tile. Every lane gets the result.
+// The first and last of tiles begin, begin + stride, ... below n (lane l starting at begin + l)
+// whose class_of(index) is not kSkip ({INT_MAX, -1}: none). Every lane gets the result. Unrolled
+// so that each lane has several summary loads in flight.
 template <class ClassOf>
-__device__ int2 warp_unskipped_range(int64_t n, ClassOf class_of) {
+__device__ int2 warp_unskipped_range(int64_t n, ClassOf class_of, int64_t begin = 0, int64_t stride = 32) {
   int first = INT_MAX, last = -1;
-  for (int64_t c = threadIdx.x % 32; c < n; c += 32) {
+#pragma unroll 4
+  for (int64_t c = begin + threadIdx.x % 32; c < n; c += stride) {
     if (class_of(static_cast<int>(c)) != kSkip) {
       first = min(first, static_cast<int>(c));
       last = max(last, static_cast<int>(c));
