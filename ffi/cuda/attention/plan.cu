@@ -59,16 +59,15 @@ __device__ bool run_is_consecutive(const TileSummary& a, const int32_t* pos, int
   return __all_sync(0xffffffffu, rising);
 }
 
-// One block per row tile: its warps scan the column tiles 32 at a time in turn (several warps
-// and loads in flight: the scan is bound by load latency) and warp 0 joins their ranges. It
-// then checks the ends of the range pair by
-// pair and drops tiles with no allowed pair (with the skipped run behind them): otherwise the
-// kernels would compute such a tile, and walk the run of skipped tiles between it and the rest
-// one summary load at a time. Such tiles: with a window or chunks, a document's start tile seen
-// from a window away; under any mask, the tile that ends the last document and starts the
-// padding. Its summary has segments [0, n] and positions from 0 (the padding's), so a causal key
-// tile of any document could skip it only past the last document's positions in that tile: the
-// walks of nearly all key tiles of a padded row ran to the row's end.
+// One block per row tile: its warps scan the column tiles 32 at a time in turn (several warps and
+// loads in flight: the scan is bound by load latency) and warp 0 joins their ranges. It then checks
+// the ends of the range pair by pair and drops tiles with no allowed pair (with the skipped run
+// behind them): otherwise the kernels would compute such a tile, and walk the run of skipped tiles
+// between it and the rest one summary load at a time. Such tiles: with a window or chunks, a
+// document's start tile seen from a window away; under any mask, the tile that ends the last
+// document and starts the padding. Its summary has segments [0, n] and positions from 0 (the
+// padding's), so a causal key tile of any document could skip it only past the last document's
+// positions in that tile: the walks of nearly all key tiles of a padded row ran to the row's end.
 // A row tile that holds the end of one document and the start of the next is ranged run by run
 // (each run of one segment id on its own summary) and the ranges joined: on the tile's summary
 // the next document's positions from 0 made every tile of the first document look causal-
@@ -80,7 +79,8 @@ __global__ void __launch_bounds__(kRangeWarps * 32) tile_range_kernel(
     bool rows_are_q, TileRange* __restrict__ out) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t r = blockIdx.x, b = blockIdx.y;
-  __shared__ int2 warp_ranges[2][kRangeWarps];  // by run parity: warp 0 reads run k's while others write k + 1's
+  // The warps' ranges by run parity: warp 0 reads run k's while the others write run k + 1's.
+  __shared__ int2 warp_ranges[2][kRangeWarps];
   const int64_t tok0 = r * row_tokens.tile;
   const int n_tok = static_cast<int>(min(static_cast<int64_t>(row_tokens.tile), row_tokens.len - tok0));
   const int32_t* row_seg = row_tokens.seg + b * row_tokens.len + tok0;

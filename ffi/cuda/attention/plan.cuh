@@ -76,9 +76,9 @@ __device__ inline TileSummary warp_merge_summary(TileSummary s) {
   return s;
 }
 
-// The first and last of tiles begin, begin + stride, ... below n (lane l starting at begin + l)
-// whose class_of(index) is not kSkip ({INT_MAX, -1}: none). Every lane gets the result. Unrolled
-// so that each lane has several summary loads in flight.
+// Of the tiles begin + l + k * stride below n (lane l takes those of its l, k = 0, 1, ...), the
+// first and last whose class_of(index) is not kSkip ({INT_MAX, -1}: none). Every lane gets the
+// result. Unrolled so that each lane has several summary loads in flight.
 template <class ClassOf>
 __device__ int2 warp_unskipped_range(int64_t n, ClassOf class_of, int64_t begin = 0, int64_t stride = 32) {
   int first = INT_MAX, last = -1;
