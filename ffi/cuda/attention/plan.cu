@@ -59,15 +59,16 @@ __device__ bool run_is_consecutive(const TileSummary& a, const int32_t* pos, int
   return __all_sync(0xffffffffu, rising);
 }
 
-// One block per row tile: its warps scan the column tiles 32 at a time in turn (several warps and
-// loads in flight: the scan is bound by load latency) and warp 0 joins their ranges. It then checks
-// the ends of the range pair by pair and drops tiles with no allowed pair (with the skipped run
-// behind them): otherwise the kernels would compute such a tile, and walk the run of skipped tiles
-// between it and the rest one summary load at a time. Such tiles: with a window or chunks, a
-// document's start tile seen from a window away; under any mask, the tile that ends the last
-// document and starts the padding. Its summary has segments [0, n] and positions from 0 (the
-// padding's), so a causal key tile of any document could skip it only past the last document's
-// positions in that tile: the walks of nearly all key tiles of a padded row ran to the row's end.
+// One block per row tile: its warps scan the column tiles 32 at a time in turn (the scan is bound
+// by the latency of its summary loads: more warps, more loads in flight) and warp 0 joins their
+// ranges. It then checks the ends of the range pair by pair and drops tiles with no allowed pair
+// (with the skipped run behind them): otherwise the kernels would compute such a tile, and walk the
+// run of skipped tiles between it and the rest one summary load at a time. Such tiles: with a
+// window or chunks, a document's start tile seen from a window away; under any mask, the tile that
+// ends the last document and starts the padding. Its summary has segments [0, n] and positions from
+// 0 (the padding's), so a causal key tile of any document could skip it only past the last
+// document's positions in that tile: the walks of nearly all key tiles of a padded row ran to the
+// row's end.
 // A row tile that holds the end of one document and the start of the next is ranged run by run
 // (each run of one segment id on its own summary) and the ranges joined: on the tile's summary
 // the next document's positions from 0 made every tile of the first document look causal-

@@ -78,11 +78,10 @@ __device__ inline TileSummary warp_merge_summary(TileSummary s) {
 
 // Of the tiles begin + l + k * stride below n (lane l takes those of its l, k = 0, 1, ...), the
 // first and last whose class_of(index) is not kSkip ({INT_MAX, -1}: none). Every lane gets the
-// result. Unrolled so that each lane has several summary loads in flight.
+// result.
 template <class ClassOf>
-__device__ int2 warp_unskipped_range(int64_t n, ClassOf class_of, int64_t begin = 0, int64_t stride = 32) {
+__device__ int2 warp_unskipped_range(int64_t n, ClassOf class_of, int64_t begin, int64_t stride) {
   int first = INT_MAX, last = -1;
-#pragma unroll 4
   for (int64_t c = begin + threadIdx.x % 32; c < n; c += stride) {
     if (class_of(static_cast<int>(c)) != kSkip) {
       first = min(first, static_cast<int>(c));
