@@ -504,12 +504,13 @@ __forceinline__ __device__ void bwd_sm90_consumers(const BwdSm90Params<KT>& P, t
       // opaque_thread_index (built once, they would be held across the loop, and spill).
       const int tix = opaque_thread_index() - 128;
       auto thr_sdp = mma_sdp.get_thread_slice(tix);
-      // P^T / dS^T (keys x queries) fragments -> shared memory by stmatrix: a fragment's rows are
-      // keys and its adjacent columns adjacent queries, contiguous in the transposed tile, so each
-      // 8 x 8 block is one 16-byte row a key (four blocks per instruction, not 16 pair stores).
+      // P^T / dS^T (keys x queries) fragments -> shared memory by stmatrix (KT::CopyAtomPdS), four
+      // 8 x 8 blocks an instruction, not 16 pair stores: transposing where the tile keeps keys
+      // contiguous (BwdSm90Traits), plain where it keeps queries contiguous (split-D: each 8 x 8
+      // block one 16-byte row a key).
       // The swizzle is applied to offsets from a shared-memory pointer (a swizzled pointer is
       // rebuilt from an integer: generic stores, 64-bit addresses held in registers).
-      auto copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+      auto copy_pds = make_tiled_copy_C(typename KT::CopyAtomPdS{}, mma_sdp);
       auto thr_copy_pds = copy_pds.get_thread_slice(tix);
       Tensor tdSsdS = thr_copy_pds.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, M, N, 2)
       const auto tScS_rc = coords(tix);

@@ -51,12 +51,14 @@ struct BwdSm90Common {
   using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>>{},
                                                                                 Step<_2, _1>{})));
   // dS (and P) as the (queries, keys) A operand of dQ, queries contiguous; its transpose
-  // (keys, queries) is the same bytes read K-major, as the fragments store them. Two buffers, so
-  // that one warpgroup can write the next step's while the other still reads this one.
+  // (keys, queries) is the same bytes read K-major, as the fragments store them (stmatrix without
+  // transposing). Two buffers, so that one warpgroup can write the next step's while the other
+  // still reads this one. BwdSm90Traits keeps keys contiguous instead.
   using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
                                               Shape<Int<kBM>, Int<kBN>, _2>{}));
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, _2>{}, Step<_2, _1, _3>{})));
+  using CopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
   using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (token, d, head, batch)
   using StrideG = cute::Stride<int64_t, _1, int64_t, int64_t>;
@@ -121,6 +123,14 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
   static_assert(Base::user_barriers({kBarDS, kBarDQEmpty + 1, kBarDQFull + 1, kBarQMasks + 1}));
   static constexpr int kDQSyncThreads = 128 + 32;
 
+  // dS as dQ's A operand K-major (keys contiguous), as FlashAttention-3 keeps it: the key-row
+  // fragments of dS^T go to shared memory by transposing stmatrix.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                              Shape<Int<kBM>, Int<kBN>, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, _2>{}, Step<_2, _1, _3>{})));
+  using CopyAtomPdS = Copy_Atom<SM90_U16x8_STSM_T, Element>;
+
   // Keys as rows: one 64-key slab per consumer warpgroup.
   using AtomRows = Layout<Shape<_2, _1, _1>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -134,7 +144,7 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
   static constexpr int kDQSplitM = kBM >= 128 ? 2 : 1;
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBM / kDQSplitM>, Int<kD * kDQSplitM / 2>, Int<kBN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+                           GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kDQSplitM>, Int<2 / kDQSplitM>, _1>>{}));
 
   // A handoff of turns from one thread to another through two slots (mbarriers): the k-th turn
@@ -162,7 +172,7 @@ struct BwdSm90Traits : BwdSm90Common<Element_, kHeadDim, kHeadDim, 128, kStages,
   };
 
   struct SharedStorage : Base::CommonStorage {
-    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> ds;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
     cute::array_aligned<float, kBM * kD, 128> dq;  // [warpgroup][float4 chunk][thread][4]: one tile, two halves
     alignas(8) TurnSlots turns;
   };
