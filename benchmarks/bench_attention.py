@@ -59,6 +59,7 @@ class Case:
   chunk: int | None = None
   xla: bool = False
   pad: int = 0                # the rows' last `pad` tokens are padding (segment 0)
+  causal: bool = True         # False: each token attends to its whole document
 
 
 GPU_CASES = [
@@ -70,6 +71,7 @@ GPU_CASES = [
     Case("4x16k doc4k 32/8", 4, 16384, 4096, q_heads=32, kv_heads=8),
     Case("4x16k doc4k win1024", 4, 16384, 4096, window=1024),
     Case("4x16k doc4k chunk2048", 4, 16384, 4096, chunk=2048),
+    Case("4x16k doc4k bidir", 4, 16384, 4096, causal=False),
     Case("1x32k doc2k", 1, 32768, 2048),
     Case("1x64k doc1k", 1, 65536, 1024),
     Case("1x64k doc1k pad300", 1, 65536, 1024, pad=300),
@@ -93,6 +95,7 @@ EXTRA_CASES = [
 QUICK_CASES = [
     Case("quick 2x256 doc64", 2, 256, 64, q_heads=4, kv_heads=2, head_dim=64, xla=True, pad=20),
     Case("quick 1x512 doc128 win", 1, 512, 128, q_heads=2, kv_heads=2, head_dim=64, window=64, xla=True),
+    Case("quick 1x256 doc64 bidir", 1, 256, 64, q_heads=2, kv_heads=2, head_dim=64, xla=True, causal=False),
 ]
 
 
@@ -144,14 +147,15 @@ def _cudnn_packed(case: Case, rows, dtype, max_docs=None):
 
   def f(q, k, v):
     return dot_product_attention(q, k, v, None, None, seqlen, seqlen, offsets, offsets, scale=scale,
-                                 mask_type=MaskType.PADDING_CAUSAL, sliding_window_length=case.window)
+                                 mask_type=MaskType.PADDING_CAUSAL if case.causal else MaskType.PADDING,
+                                 sliding_window_length=case.window)
   return f
 
 
 def _cudnn_dense(case: Case):
   if case.mean_doc or case.window or case.chunk:
     return None
-  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=case.causal, implementation="cudnn")
 
 
 def _jaxcp(case: Case, seg, pos, implementation=None, deterministic=False):
@@ -159,7 +163,7 @@ def _jaxcp(case: Case, seg, pos, implementation=None, deterministic=False):
   window = (case.window - 1, 0) if case.window else None
 
   def f(q, k, v):
-    return jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=True, local_window_size=window,
+    return jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=case.causal, local_window_size=window,
                            chunk_size=case.chunk, implementation=implementation, deterministic=deterministic)
   return f
 
@@ -202,7 +206,7 @@ def _fa3(case: Case, rows, dtype, varlen):
   if reason:
     return None, reason
   window = (case.window - 1, 0) if case.window else None
-  return fa3_peer.packed_fn(varlen, rows, case.seq_len, scale=case.head_dim ** -0.5, causal=True,
+  return fa3_peer.packed_fn(varlen, rows, case.seq_len, scale=case.head_dim ** -0.5, causal=case.causal,
                             window=window), None
 
 
@@ -259,7 +263,7 @@ def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS
   rows = case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
   window = (case.window - 1, 0) if case.window else None
-  pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
+  pairs = common.allowed_pairs(rows, causal=case.causal, window=window, chunk=case.chunk)
   dv = case.v_head_dim or case.head_dim
   fwd_flops = 2 * (case.head_dim + dv) * case.q_heads * pairs  # q.k and p.v
   q, k, v, dout = case_inputs(case, dtype)

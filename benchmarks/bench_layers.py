@@ -73,7 +73,7 @@ def run_case(case, dtype, layers):
   rows = ba.case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
   window = (case.window - 1, 0) if case.window else None
-  pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
+  pairs = common.allowed_pairs(rows, causal=case.causal, window=window, chunk=case.chunk)
   layer_flops = 4 * case.head_dim * case.q_heads * pairs
   q, ks, vs, dout = layer_inputs(case, dtype, layers)
 

@@ -138,7 +138,7 @@ def run_case(spec, backward, reps, timed, fa3=False):
     if kind == "att":
       case, rows = attention_case(name.removesuffix("+det"))
       window = (case.window - 1, 0) if case.window else None
-      pairs = common.allowed_pairs(rows, causal=True, window=window, chunk=case.chunk)
+      pairs = common.allowed_pairs(rows, causal=case.causal, window=window, chunk=case.chunk)
       dv = case.v_head_dim or case.head_dim
       flops = 2 * (case.head_dim + dv) * case.q_heads * pairs * (3.5 if backward else 1)
       extra = f" {flops / t / 1e12:.0f} TFLOP/s"
