@@ -50,16 +50,6 @@ struct BwdSm90Common {
   using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBN>, Int<kDv>>{}));
   using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<Int<kD>, Int<kBN>>{},
                                                                                 Step<_2, _1>{})));
-  // dS (and P) as the (queries, keys) A operand of dQ, queries contiguous; its transpose
-  // (keys, queries) is the same bytes read K-major, as the fragments store them (stmatrix without
-  // transposing). Two buffers, so that one warpgroup can write the next step's while the other
-  // still reads this one. BwdSm90Traits keeps keys contiguous instead.
-  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
-                                              Shape<Int<kBM>, Int<kBN>, _2>{}));
-  using SmemLayoutdSt = decltype(composition(
-      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, _2>{}, Step<_2, _1, _3>{})));
-  using CopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;
-
   using ShapeG = cute::Shape<int32_t, int32_t, int32_t, int32_t>;  // (token, d, head, batch)
   using StrideG = cute::Stride<int64_t, _1, int64_t, int64_t>;
   using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeG{}, StrideG{}));
@@ -199,6 +189,16 @@ struct BwdSm90SplitDTraits
   static constexpr int kBarP = 1, kBarDS = 2, kBarTurn = 3, kBarQMasks = 4;
   static_assert(Base::user_barriers({kBarP, kBarDS, kBarTurn, kBarQMasks + 1}));
 
+  // P and dS as dQ's (queries, keys) A operand, queries contiguous; their transposes (keys,
+  // queries) are the same bytes read K-major by dK / dV, as the fragments store them (stmatrix
+  // without transposing). Two buffers, so that one warpgroup can write the next step's while the
+  // other still reads this one.
+  using SmemLayoutdS = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{},
+                                              Shape<Int<kBM>, Int<kBN>, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBN>, Int<kBM>, _2>{}, Step<_2, _1, _3>{})));
+  using CopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;
+
   using AtomCols = Layout<Shape<_1, _2, _1>>;
   // S^T, dP^T (keys x queries): the warpgroups split the queries. (The selector's K, D here,
   // picks only the atom's k of 16, so dP^T = V dO^T runs on it over Dv as well.)
@@ -219,8 +219,8 @@ struct BwdSm90SplitDTraits
       AtomCols{}));
 
   struct SharedStorage : Base::CommonStorage {
-    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> p;
-    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdS>, 1024> ds;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> p;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 232448, "227 KB of shared memory per block on sm_90");
