@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import re
 import sys
 import traceback
 
@@ -507,7 +509,7 @@ def main(argv=None):
   cases = QUICK_CASES if quick else EXTRA_CASES if args.extra else GPU_CASES
   name = common.result_name("attention_extra" if args.extra else "attention")
   if args.merge:
-    return merge_parts(args.merge, cases, name, args.out)
+    return merge_parts(args.merge, args.out)
   if args.only:
     wanted = args.only.split(",")
     cases = [c for c in cases if any(w in c.name for w in wanted)]
@@ -541,14 +543,17 @@ def main(argv=None):
   print(md)
 
 
-def merge_parts(paths, cases, name, out=None):
+def merge_parts(paths, out=None):
   """One result set from the part files of a run (each measured in its own process, with its own
-  matmul and copy ceilings, kept per part in meta["parts"]), cases in the case list's order."""
+  matmul and copy ceilings, kept per part in meta["parts"]), cases in the case lists' order, named
+  after the first part (<name>_part<i>.json -> <name>): the merge may run on another host."""
+  name = re.sub(r"_part\d+$", "", os.path.splitext(os.path.basename(paths[0]))[0])
+  cases = GPU_CASES + EXTRA_CASES + QUICK_CASES
   payloads = []
   for path in paths:
     with open(path) as f:
       payloads.append(json.load(f))
-  order = {c.name: k for k, c in enumerate(cases)}
+  order = {c.name: k for k, c in reversed(list(enumerate(cases)))}
   results = sorted((r for p in payloads for r in p["results"]), key=lambda r: order.get(r["case"]["name"], len(order)))
   meta = dict(payloads[0]["meta"], parts=[p["meta"] for p in payloads])
   md = markdown(meta, results)

@@ -40,6 +40,15 @@ def test_bench_attention_quick(tmp_path):
   assert data["summary"]["deterministic_bwd"]["cases"] == len(det)
   md = (tmp_path / "attention_cpu.md").read_text()
   assert md.startswith("Device:") and "deterministic=True over the default" in md
+  # parts measured on another host (named after its device) merge here under their own name, in
+  # the case list's order whichever part comes first
+  other = tmp_path / "other"
+  other.mkdir()
+  for i, part in enumerate(parts):
+    (other / f"attention_h200_part{i}.json").write_text(open(part).read())
+  _run_quick("bench_attention", other, "--merge", *(str(other / f"attention_h200_part{i}.json") for i in (1, 0)))
+  merged = json.loads((other / "attention_h200.json").read_text())
+  assert [r["case"]["name"] for r in merged["results"]] == [c.name for c in module.QUICK_CASES]
 
 
 def test_bench_small_seq_layer_quick(tmp_path):
