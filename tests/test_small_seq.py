@@ -145,6 +145,8 @@ def test_ragged_rows_are_disjoint_in_bounds_and_exact_for_valid_input(tokens, cu
       jnp.asarray(cu, jnp.int32), tokens))
   assert start.shape == length.shape == (len(cu) - 1,)
   assert np.all(length >= 0) and np.all(start >= 0) and np.all(start + length <= tokens)
+  # each row ends at or before the next one's start (the CUDA backward zeroes the tokens between)
+  assert np.all(start[:-1] + length[:-1] <= start[1:]), (start, length)
   owner = np.full(tokens, -1)
   for b, (s0, n) in enumerate(zip(start, length)):
     assert np.all(owner[s0:s0 + n] == -1), f"row {b} overlaps row {owner[s0:s0 + n].max()}"

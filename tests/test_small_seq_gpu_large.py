@@ -99,3 +99,32 @@ def test_gpu_many_tasks_probabilities_and_mask():
   ref_out, ref_probs = small_seq_reference(q, k, v, (lengths, mask), config)
   np.testing.assert_allclose(probs, ref_probs, atol=2e-3)
   rows_close(out, ref_out, TOL[jnp.bfloat16], "out", rows_leading=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_kv_len,hq,hkv,d", [(4, 8, 8, 64),     # lane groups
+                                                 (16, 8, 8, 128),   # tensor cores
+                                                 (16, 32, 1, 64)])  # backward on CUDA cores
+def test_gpu_ragged_decreasing_cu_seqlens(max_kv_len, hq, hkv, d):
+  """kv_cu_seqlens that decreases half way: the rows from the decrease on are empty and the rows
+  before it exact, dK/dV included. The empty rows' cu_seqlens fall inside the earlier rows: the
+  backward zeroes the tokens between one row's end and the next row's start, which must not
+  reach tokens a row covers."""
+  rng = np.random.default_rng(24)
+  b, dtype = 20000, jnp.bfloat16
+  lens = rng.integers(0, max_kv_len + 3, b // 2)
+  valid = np.concatenate([[3], 3 + np.cumsum(lens)])  # b // 2 rows, then the decrease
+  cu = np.concatenate([valid, rng.integers(0, valid[-1], b - b // 2)]).astype(np.int32)
+  t = int(valid[-1]) + 5
+  q = rand(rng, (b, hq, d), dtype)
+  k, v = rand(rng, (t, hkv, d), dtype), rand(rng, (t, hkv, d), dtype)
+  dout = rand(rng, (b, hq, d), dtype)
+  f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu, max_kv_len=max_kv_len,
+                                                       implementation=impl)
+  out, grads = _cuda_matches_xla(f, q, k, v, dout, dtype)
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[b // 2:], 0)
+  covered = np.zeros(t, bool)
+  for i in range(b // 2):
+    covered[cu[i]:cu[i] + min(int(lens[i]), max_kv_len)] = True
+  for g in grads[1:]:
+    np.testing.assert_array_equal(np.asarray(g, np.float32)[~covered], 0)

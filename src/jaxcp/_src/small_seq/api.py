@@ -75,16 +75,19 @@ def ragged_rows(cu, tokens: int):
   """(start, length) int32 [B] of the ragged rows [cu[b], cu[b+1]), for cu int32 [B+1].
 
   cu is clamped into [0, tokens]. A row whose end is below its start, and every row after it,
-  is empty: rows never overlap (the backward writes each token's dK/dV once) and nothing is read
-  out of bounds. Valid (non-decreasing) cu_seqlens pass unchanged. One min-reduction finds the
-  first decrease (a scan, cumsum or a running maximum, takes more kernels on a GPU: a few
-  microseconds, as long as a whole call at B = 16384).
+  is empty and starts where the last row before it ends. So each row ends at or before the next
+  one's start: rows never overlap, and the CUDA backward, which zeroes the dK/dV tokens between a
+  row's end and the next row's start, zeroes only tokens no row covers (each token's dK/dV is
+  written once); nothing is read out of bounds. Valid (non-decreasing) cu_seqlens pass
+  unchanged. One min-reduction finds the first decrease (a scan, cumsum or a running maximum,
+  takes more kernels on a GPU: a few microseconds, as long as a whole call at B = 16384).
   """
   c = jnp.clip(cu, 0, tokens)
   start, end = c[:-1], c[1:]
   rows = jnp.arange(start.shape[0], dtype=jnp.int32)
   first_broken = jnp.min(jnp.where(end < start, rows, start.shape[0]), initial=start.shape[0])
-  return start, jnp.where(rows < first_broken, end - start, 0)
+  valid = rows < first_broken
+  return jnp.where(valid, start, c[first_broken]), jnp.where(valid, end - start, 0)
 
 
 def small_seq_attention(query, key, value, *, kv_lengths=None, kv_cu_seqlens=None, max_kv_len=None,
