@@ -101,6 +101,16 @@ QUICK_CASES = [
 ]
 
 
+def case_window(case: Case):
+  """jaxcp's local_window_size for the case's window of `window` keys (None: no window)."""
+  return (case.window - 1, 0) if case.window else None
+
+
+def case_pairs(case: Case, rows) -> int:
+  """The (query, key) pairs the case's mask allows over `rows` (its FLOP count's basis)."""
+  return common.allowed_pairs(rows, causal=case.causal, window=case_window(case), chunk=case.chunk)
+
+
 def cudnn_packed_args(rows, batch, max_docs=None):
   """JAX cuDNN's packed-document arguments: q_seqlen [B, M] (document lengths, -1 after the
   last) and q_offsets [B, M + 1] (document starts within the row, -1 after the last start: JAX
@@ -162,10 +172,10 @@ def _cudnn_dense(case: Case):
 
 def _jaxcp(case: Case, seg, pos, implementation=None, deterministic=False):
   seg, pos = jnp.asarray(seg), jnp.asarray(pos)
-  window = (case.window - 1, 0) if case.window else None
 
   def f(q, k, v):
-    return jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=case.causal, local_window_size=window,
+    return jaxcp.attention(q, k, v, segment_ids=seg, positions=pos, is_causal=case.causal,
+                           local_window_size=case_window(case),
                            chunk_size=case.chunk, implementation=implementation, deterministic=deterministic)
   return f
 
@@ -207,9 +217,8 @@ def _fa3(case: Case, rows, dtype, varlen):
   reason = fa3_peer.unsupported(case.head_dim, case.v_head_dim, case.chunk, dtype)
   if reason:
     return None, reason
-  window = (case.window - 1, 0) if case.window else None
   return fa3_peer.packed_fn(varlen, rows, case.seq_len, scale=case.head_dim ** -0.5, causal=case.causal,
-                            window=window), None
+                            window=case_window(case)), None
 
 
 def _warm(call):
@@ -264,8 +273,7 @@ def run_case(case: Case, dtype, quick: bool, static_tokens_per_doc=STATIC_TOKENS
   (fa3_peer.load), None where it is absent."""
   rows = case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
-  window = (case.window - 1, 0) if case.window else None
-  pairs = common.allowed_pairs(rows, causal=case.causal, window=window, chunk=case.chunk)
+  pairs = case_pairs(case, rows)
   dv = case.v_head_dim or case.head_dim
   fwd_flops = 2 * (case.head_dim + dv) * case.q_heads * pairs  # q.k and p.v
   q, k, v, dout = case_inputs(case, dtype)
@@ -553,7 +561,7 @@ def merge_parts(paths, out=None):
   for path in paths:
     with open(path) as f:
       payloads.append(json.load(f))
-  order = {c.name: k for k, c in reversed(list(enumerate(cases)))}
+  order = {c.name: k for k, c in enumerate(cases)}  # the lists' names are distinct
   results = sorted((r for p in payloads for r in p["results"]), key=lambda r: order.get(r["case"]["name"], len(order)))
   meta = dict(payloads[0]["meta"], parts=[p["meta"] for p in payloads])
   md = markdown(meta, results)

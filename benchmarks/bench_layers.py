@@ -72,8 +72,7 @@ def run_case(case, dtype, layers):
     raise ValueError(f"{case.name}: q_{{l+1}} = out_l needs Dv == D")
   rows = ba.case_rows(case)
   seg, pos = common.segments_and_positions(rows, case.seq_len)
-  window = (case.window - 1, 0) if case.window else None
-  pairs = common.allowed_pairs(rows, causal=case.causal, window=window, chunk=case.chunk)
+  pairs = ba.case_pairs(case, rows)
   layer_flops = 4 * case.head_dim * case.q_heads * pairs
   q, ks, vs, dout = layer_inputs(case, dtype, layers)
 

@@ -137,8 +137,7 @@ def run_case(spec, backward, reps, timed, fa3=False):
     extra = ""
     if kind == "att":
       case, rows = attention_case(name.removesuffix("+det"))
-      window = (case.window - 1, 0) if case.window else None
-      pairs = common.allowed_pairs(rows, causal=case.causal, window=window, chunk=case.chunk)
+      pairs = ba.case_pairs(case, rows)
       dv = case.v_head_dim or case.head_dim
       flops = 2 * (case.head_dim + dv) * case.q_heads * pairs * (3.5 if backward else 1)
       extra = f" {flops / t / 1e12:.0f} TFLOP/s"
