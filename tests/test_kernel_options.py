@@ -41,7 +41,9 @@ def test_small_seq_auto_is_resolved_per_shape():
   rule = {
       (1, 128, 8): ("lanes", "lanes"),
       (2, 64, 12): ("lanes", "lanes"),
-      (1, 128, 13): ("mma", "mma"),
+      (1, 128, 13): ("lanes", "mma"),
+      (1, 256, 16): ("lanes", "mma"),
+      (2, 64, 16): ("mma", "mma"),
       (1, 512, 12): ("mma", "mma"),
       (4, 128, 4): ("lanes", "lanes"),
       (4, 256, 2): ("mma", "lanes"),

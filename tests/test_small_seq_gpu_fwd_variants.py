@@ -75,6 +75,7 @@ def _check(dtype, q, k, v, index, config, valid):
     (jnp.bfloat16, 64, 14, 2, 1, 700),     # lanes: group 2, 14 keys in its 16-token registers
     (jnp.float16, 512, 8, 2, 2, 300),      # lanes: D 512 (two chunks per lane), 8 keys
     (jnp.bfloat16, 256, 2, 1, 1, 1000),    # lanes: one head, one lane group per warp
+    (jnp.float16, 256, 13, 1, 1, 800),     # lanes: one head over 13 keys, V loaded into K's registers
     (jnp.bfloat16, 128, 7, 3, 3, 999),     # lanes: two tasks per warp, the last warp half empty
 ])
 def test_gpu_fwd_variants_padded(dtype, d, s, hq, hkv, b):

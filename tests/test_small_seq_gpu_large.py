@@ -42,6 +42,7 @@ def _cuda_matches_xla(f, q, k, v, dout, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d,s,hq,hkv,b", [
     (jnp.bfloat16, 64, 8, 4, 2, 80000),     # ~90 tasks per warp: many 32-task windows
+    (jnp.bfloat16, 64, 14, 2, 2, 60000),    # one head a task over 14 keys, lane groups walking many rows
     (jnp.bfloat16, 128, 16, 16, 4, 20000),  # GQA 4 (head block 4)
     (jnp.float16, 256, 8, 8, 8, 8000),
     (jnp.bfloat16, 128, 5, 6, 2, 30000),    # group 3 (head block 1)

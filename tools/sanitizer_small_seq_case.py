@@ -1,7 +1,8 @@
 """Small-sequence attention calls for compute-sanitizer: lengths out of range (clamped) or absent, ragged
 cu_seqlens past the end, GQA, head dims 64-512, forward and gradients; the tensor-core kernels
 (11 keys, groups of 3-4) and the lane-group kernels (5, 8 and 11 keys, groups of 1-2; 2-4 keys,
-groups of 3-32, whose backward streams the group's heads)."""
+groups of 3-32, whose backward streams the group's heads; the forward of one head a task over 16
+keys)."""
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -41,4 +42,6 @@ grads(lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu, max_kv_len=
       r(b, 4, 128), r(t, 2, 128), r(t, 2, 128))  # lane groups, rows past 8 tokens cut
 grads(lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu, max_kv_len=4),
       r(b, 12, 64), r(t, 3, 64), r(t, 3, 64))  # lane groups of 4 heads, rows past 4 tokens cut
+grads(lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu),
+      r(b, 4, 128), r(t, 4, 128), r(t, 4, 128))  # one head a task over 16 keys: lane-group forward
 print("small-seq sanitizer case done")

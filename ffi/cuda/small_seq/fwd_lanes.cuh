@@ -4,16 +4,49 @@
 // previous head): scores, a softmax every lane of the group computes redundantly, the
 // probabilities written by lane j mod L, then O = P V.
 // From 8 tokens on at D <= 256, each lane group walks several tasks (fwd_lanes_persistent).
+// Rows of one query head from 12 tokens on (fwd_lanes_one_head) load V into K's registers once
+// the scores are summed: a lane holds half the tokens' rows at a time, and more blocks fit.
 #pragma once
 #include "lanes.cuh"
 
 namespace jaxcp::cuda::small_seq {
 
+// Dot products -> the softmax's probabilities (of the scores s * scale, taken as 2^(s * scale_log2))
+// over the tokens the row attends (ok), zeros elsewhere; all zeros where it attends none.
+template <int NT>
+__device__ __forceinline__ void softmax_in_place(float (&s)[NT], const bool (&ok)[NT], float scale_log2) {
+  float m = -INFINITY, l = 0.f;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    s[j] = ok[j] ? s[j] * scale_log2 : -INFINITY;
+    m = fmaxf(m, s[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    s[j] = ok[j] ? exp2f(s[j] - m) : 0.f;
+    l += s[j];
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) s[j] *= inv;
+}
+
+// Query row `row`'s probabilities (token j by lane j mod L) and output.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void store_head(const Params& p, const LaneTask<D>& lt, int64_t row,
+                                           const float (&s)[NT], float (&o)[Lanes<D>::kC][8]) {
+  float* prow = p.probs_out + row * p.max_len;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+    if (j % Lanes<D>::kL == lt.lane && j < p.max_len) prow[j] = s[j];
+  store_row<T, D>(static_cast<T*>(p.out) + row * D + lt.lane * 8, o, 1.f);
+}
+
 template <typename T, int D, int NT>
 __device__ __forceinline__ void fwd_lanes_task(const Params& p, const LaneTask<D>& lt) {
   constexpr int L = Lanes<D>::kL, C = Lanes<D>::kC;
   const Task& t = lt.t;
-  const int G = p.group, ML = p.max_len;
+  const int G = p.group;
   const int64_t row0 = t.b * p.q_heads + static_cast<int64_t>(t.g) * G;
   const T* q = static_cast<const T*>(p.q) + row0 * D + lt.lane * 8;
 
@@ -39,31 +72,38 @@ __device__ __forceinline__ void fwd_lanes_task(const Params& p, const LaneTask<D
 #pragma unroll
     for (int j = 0; j < NT; ++j) s[j] = lane_dot<T, D>(qf, kr[j]);
     group_sum<L>(s);
-    float m = -INFINITY, l = 0.f;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      s[j] = ok[j] ? s[j] * scale_log2 : -INFINITY;
-      m = fmaxf(m, s[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      s[j] = ok[j] ? exp2f(s[j] - m) : 0.f;
-      l += s[j];
-    }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    softmax_in_place(s, ok, scale_log2);
     float o[C][8] = {};
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      s[j] *= inv;
-      lane_axpy<T, D>(s[j], vr[j], o);
-    }
-    if (!lt.has) continue;
-    float* prow = p.probs_out + (row0 + h) * ML;
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-      if (j % L == lt.lane && j < ML) prow[j] = s[j];
-    store_row<T, D>(static_cast<T*>(p.out) + (row0 + h) * D + lt.lane * 8, o, 1.f);
+    for (int j = 0; j < NT; ++j) lane_axpy<T, D>(s[j], vr[j], o);
+    if (lt.has) store_head<T, D>(p, lt, row0 + h, s, o);
   }
+}
+
+// Rows of one query head: V is loaded into K's registers once the scores are summed, so a lane
+// holds one of them at a time. At 12-16 tokens and D <= 256 (one chunk a lane) the kernel keeps
+// to 128 registers (4 blocks of 4 warps an SM, against 3 at 12 tokens and 2 at 16 holding both),
+// and the warps of the extra blocks load while others compute.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void fwd_lanes_one_head_task(const Params& p, const LaneTask<D>& lt) {
+  constexpr int L = Lanes<D>::kL, C = Lanes<D>::kC;
+  const int64_t row = lt.t.b * p.q_heads + lt.t.g;
+  uint4 qr[C], r[NT][C];
+  bool ok[NT];
+  load_row<T, D>(static_cast<const T*>(p.q) + row * D + lt.lane * 8, lt.has, qr);
+  load_tokens<T, D, NT>(p, lt, p.k, ok, r);
+  float qf[C][8];
+  unpack_row<T, D>(qr, qf);
+  float s[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) s[j] = lane_dot<T, D>(qf, r[j]);
+  group_sum<L>(s);
+  load_tokens<T, D, NT>(p, lt, p.v, ok, r);
+  softmax_in_place(s, ok, p.scale * 1.4426950408889634f);
+  float o[C][8] = {};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) lane_axpy<T, D>(s[j], r[j], o);
+  if (lt.has) store_head<T, D>(p, lt, row, s, o);
 }
 
 // Whether the forward for D and NT walks several tasks a lane group (lanes_walk): from 8 tokens
@@ -79,6 +119,15 @@ __global__ void __launch_bounds__(kLanesBlockThreads) small_seq_fwd_lanes_kernel
     lanes_walk<D>(p, [&](const LaneTask<D>& lt) { fwd_lanes_task<T, D, NT>(p, lt); });
   else
     fwd_lanes_task<T, D, NT>(p, LaneTask<D>(p));
+}
+
+// Whether rows of one query head take fwd_lanes_one_head_task (walking): from 12 tokens on at
+// D <= 256, where holding K and V together takes over 128 registers.
+constexpr bool fwd_lanes_one_head(int d, int nt) { return nt >= 12 && d <= 256; }
+
+template <typename T, int D, int NT>
+__global__ void __launch_bounds__(kLanesBlockThreads, 4) small_seq_fwd_lanes_one_head_kernel(const Params p) {
+  lanes_walk<D>(p, [&](const LaneTask<D>& lt) { fwd_lanes_one_head_task<T, D, NT>(p, lt); });
 }
 
 }  // namespace jaxcp::cuda::small_seq

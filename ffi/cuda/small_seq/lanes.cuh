@@ -128,18 +128,24 @@ __device__ __forceinline__ void lane_axpy(float w, const uint4 (&r)[Lanes<D>::kC
   }
 }
 
-// This lane's chunks of the task's K and V tokens j < NT that the row attends (ok[j]; zeros
-// elsewhere), all loads issued together.
+// This lane's chunks of the task's tokens j < NT of `rows` (K or V) that the row attends (ok[j];
+// zeros elsewhere), all loads issued together.
 template <typename T, int D, int NT>
-__device__ __forceinline__ void load_kv(const Params& p, const LaneTask<D>& lt, bool (&ok)[NT],
-                                        uint4 (&kr)[NT][Lanes<D>::kC], uint4 (&vr)[NT][Lanes<D>::kC]) {
+__device__ __forceinline__ void load_tokens(const Params& p, const LaneTask<D>& lt, const void* rows,
+                                            bool (&ok)[NT], uint4 (&r)[NT][Lanes<D>::kC]) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     ok[j] = lt.attends(j);
-    const int64_t off = ok[j] ? lt.kv_offset(p, j) : 0;
-    load_row<T, D>(static_cast<const T*>(p.k) + off, ok[j], kr[j]);
-    load_row<T, D>(static_cast<const T*>(p.v) + off, ok[j], vr[j]);
+    load_row<T, D>(static_cast<const T*>(rows) + (ok[j] ? lt.kv_offset(p, j) : 0), ok[j], r[j]);
   }
+}
+
+// K and V both (load_tokens), all loads issued together.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void load_kv(const Params& p, const LaneTask<D>& lt, bool (&ok)[NT],
+                                        uint4 (&kr)[NT][Lanes<D>::kC], uint4 (&vr)[NT][Lanes<D>::kC]) {
+  load_tokens<T, D, NT>(p, lt, p.k, ok, kr);
+  load_tokens<T, D, NT>(p, lt, p.v, ok, vr);
 }
 
 // Sums each of x[0..N) over the task's L lanes (every lane gets the sums).

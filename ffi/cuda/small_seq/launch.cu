@@ -196,6 +196,8 @@ cudaError_t fwd_lanes(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
     if constexpr (D == 512 && NT > 8) {
       return cudaErrorInvalidValue;
     } else {
+      if constexpr (fwd_lanes_one_head(D, NT))
+        if (p.group == 1) return launch_lanes<D, true>(small_seq_fwd_lanes_one_head_kernel<T, D, NT>, a, p, s);
       return launch_lanes<D, fwd_lanes_persistent(D, NT)>(small_seq_fwd_lanes_kernel<T, D, NT>, a,
                                                           p, s);
     }

@@ -21,6 +21,11 @@ sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
     (one H200, 2026-12-02, B 262144, one head): at 16 keys lanes 0.94-0.98x mma forward at D 64,
     1.00x at D 128 (padded), backward 0.90-1.04x at D 64 and 1.02x at D 128: within a run's
     noise, so the rule stands; at 8-12 keys lanes 0.57-0.91x mma forward;
+  - one query head a task (MHA, any head count), forward: from 12 keys on at D <= 256 the lane
+    group loads V into K's registers once the scores are summed (128 registers, 4 blocks an SM
+    instead of 2-3); lanes 0.57-0.90x mma over 12 and 16 keys, all 45 points of 1/1, 4/4, 8/8 and
+    32/32 heads at D 64-256 (one H200, 2026-12-03, B 16384 and 262144, padded and ragged) -> lanes
+    up to 16 keys there (the backward keeps the rule above);
   - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
     otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128; with
     lane groups walking several rows, 4/1 heads at B 262144 (2026-12-02): lanes 1.11-1.74x mma at
@@ -52,6 +57,9 @@ from ..kernel_options import SmallSeqKernelOptions
 LANES_MAX_GROUP = 2  # the lane-group backward's register arrays hold 1 or 2 heads' P and dS
 LANES_GQA_BWD_MAX_LEN, LANES_GQA_BWD_MAX_DIM = 4, 256  # larger groups: float32 dK/dV per token
 LANES_MAX_LEN = 12  # above this many keys (its 16-token registers) mma ties or wins
+# One query head a task (MHA): the forward loads V into K's registers (fwd_lanes_one_head) and
+# wins up to 16 keys at D <= 256
+LANES_ONE_HEAD_MAX_LEN, LANES_ONE_HEAD_MAX_DIM = 16, 256
 LANES_GQA_MAX_GROUP, LANES_GQA_MAX_LEN, LANES_GQA_MAX_DIM = 4, 4, 128  # lanes forward for GQA
 MMA_BWD_MAX_GROUP = 16  # the tensor-core backward keeps the dS of at most 16 heads in registers
 
@@ -74,6 +82,8 @@ def available(direction: str, family: str, group: int, head_dim: int, max_len: i
 
 def default_fwd(group: int, head_dim: int, max_len: int) -> str:
   if group <= LANES_MAX_GROUP and max_len <= LANES_MAX_LEN and lanes_fit(head_dim, max_len):
+    return "lanes"
+  if group == 1 and max_len <= LANES_ONE_HEAD_MAX_LEN and head_dim <= LANES_ONE_HEAD_MAX_DIM:
     return "lanes"
   if group <= LANES_GQA_MAX_GROUP and max_len <= LANES_GQA_MAX_LEN and head_dim <= LANES_GQA_MAX_DIM:
     return "lanes"
