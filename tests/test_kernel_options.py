@@ -44,7 +44,7 @@ def test_small_seq_auto_is_resolved_per_shape():
       (1, 128, 13): ("lanes", "mma"),
       (1, 256, 16): ("lanes", "mma"),
       (2, 64, 16): ("mma", "mma"),
-      (1, 512, 12): ("mma", "mma"),
+      (1, 512, 12): ("lanes", "mma"),
       (4, 128, 4): ("lanes", "lanes"),
       (4, 256, 2): ("mma", "lanes"),
       (4, 256, 3): ("mma", "mma"),
@@ -61,7 +61,9 @@ def test_small_seq_auto_is_resolved_per_shape():
   assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 4).bwd == "lanes"
   assert dispatch.resolve(SmallSeqKernelOptions(), 32, 64, 8).bwd == "cuda_core"
   assert dispatch.resolve(SmallSeqKernelOptions(fwd="cuda_core"), 1, 64, 4) == SmallSeqKernelOptions("cuda_core", "lanes")
-  assert not dispatch.available("fwd", "lanes", 1, 512, 16)
+  assert dispatch.available("fwd", "lanes", 1, 512, 16)  # one head a task: K, then V
+  assert not dispatch.available("fwd", "lanes", 2, 512, 16)
+  assert not dispatch.available("bwd", "lanes", 1, 512, 16)
   assert dispatch.available("bwd", "lanes", 4, 64, 4)  # groups over 2 heads: up to 4 keys, D <= 256
   assert dispatch.available("bwd", "lanes", 32, 256, 2)
   assert not dispatch.available("bwd", "lanes", 4, 64, 5)

@@ -76,6 +76,8 @@ def _check(dtype, q, k, v, index, config, valid):
     (jnp.float16, 512, 8, 2, 2, 300),      # lanes: D 512 (two chunks per lane), 8 keys
     (jnp.bfloat16, 256, 2, 1, 1, 1000),    # lanes: one head, one lane group per warp
     (jnp.float16, 256, 13, 1, 1, 800),     # lanes: one head over 13 keys, V loaded into K's registers
+    (jnp.bfloat16, 512, 16, 2, 2, 300),    # lanes: one head over 16 keys at D 512, 8 tokens a register set
+    (jnp.float16, 512, 11, 1, 1, 500),     # lanes: one head over 11 keys at D 512, 6 tokens a register set
     (jnp.bfloat16, 128, 7, 3, 3, 999),     # lanes: two tasks per warp, the last warp half empty
 ])
 def test_gpu_fwd_variants_padded(dtype, d, s, hq, hkv, b):

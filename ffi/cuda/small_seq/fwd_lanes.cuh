@@ -5,7 +5,8 @@
 // probabilities written by lane j mod L, then O = P V.
 // From 8 tokens on at D <= 256, each lane group walks several tasks (fwd_lanes_persistent).
 // Rows of one query head from 12 tokens on (fwd_lanes_one_head) load V into K's registers once
-// the scores are summed: a lane holds half the tokens' rows at a time, and more blocks fit.
+// the scores are summed: a lane holds half the tokens' rows at a time (a quarter at D 512), and
+// more blocks fit.
 #pragma once
 #include "lanes.cuh"
 
@@ -81,28 +82,38 @@ __device__ __forceinline__ void fwd_lanes_task(const Params& p, const LaneTask<D
 }
 
 // Rows of one query head: V is loaded into K's registers once the scores are summed, so a lane
-// holds one of them at a time. At 12-16 tokens and D <= 256 (one chunk a lane) the kernel keeps
-// to 128 registers (4 blocks of 4 warps an SM, against 3 at 12 tokens and 2 at 16 holding both),
-// and the warps of the extra blocks load while others compute.
+// holds one of them at a time; at D 512 (two chunks a lane) half the tokens at a time. At 12-16
+// tokens the kernel keeps to 128 registers at D <= 256 (4 blocks of 4 warps an SM, against 3 at 12
+// tokens and 2 at 16 holding both), and the warps of the extra blocks load while others compute.
 template <typename T, int D, int NT>
 __device__ __forceinline__ void fwd_lanes_one_head_task(const Params& p, const LaneTask<D>& lt) {
   constexpr int L = Lanes<D>::kL, C = Lanes<D>::kC;
+  constexpr int N = NT / C;  // tokens a register set holds
+  static_assert(NT % C == 0, "a register set holds a whole share of the tokens");
   const int64_t row = lt.t.b * p.q_heads + lt.t.g;
-  uint4 qr[C], r[NT][C];
-  bool ok[NT];
+  uint4 qr[C], r[N][C];
+  bool ok[NT], okn[N];
   load_row<T, D>(static_cast<const T*>(p.q) + row * D + lt.lane * 8, lt.has, qr);
-  load_tokens<T, D, NT>(p, lt, p.k, ok, r);
-  float qf[C][8];
-  unpack_row<T, D>(qr, qf);
-  float s[NT];
+  float qf[C][8], s[NT];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) s[j] = lane_dot<T, D>(qf, r[j]);
+  for (int j0 = 0; j0 < NT; j0 += N) {
+    load_tokens<T, D, N>(p, lt, p.k, okn, r, j0);
+    if (j0 == 0) unpack_row<T, D>(qr, qf);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      ok[j0 + j] = okn[j];
+      s[j0 + j] = lane_dot<T, D>(qf, r[j]);
+    }
+  }
   group_sum<L>(s);
-  load_tokens<T, D, NT>(p, lt, p.v, ok, r);
   softmax_in_place(s, ok, p.scale * 1.4426950408889634f);
   float o[C][8] = {};
 #pragma unroll
-  for (int j = 0; j < NT; ++j) lane_axpy<T, D>(s[j], r[j], o);
+  for (int j0 = 0; j0 < NT; j0 += N) {
+    load_tokens<T, D, N>(p, lt, p.v, okn, r, j0);
+#pragma unroll
+    for (int j = 0; j < N; ++j) lane_axpy<T, D>(s[j0 + j], r[j], o);
+  }
   if (lt.has) store_head<T, D>(p, lt, row, s, o);
 }
 
@@ -121,12 +132,13 @@ __global__ void __launch_bounds__(kLanesBlockThreads) small_seq_fwd_lanes_kernel
     fwd_lanes_task<T, D, NT>(p, LaneTask<D>(p));
 }
 
-// Whether rows of one query head take fwd_lanes_one_head_task (walking): from 12 tokens on at
-// D <= 256, where holding K and V together takes over 128 registers.
-constexpr bool fwd_lanes_one_head(int d, int nt) { return nt >= 12 && d <= 256; }
+// Whether rows of one query head take fwd_lanes_one_head_task (walking): from 12 tokens on, where
+// holding K and V together takes over 128 registers (at D 512 more than a lane has).
+constexpr bool fwd_lanes_one_head(int nt) { return nt >= 12; }
 
 template <typename T, int D, int NT>
-__global__ void __launch_bounds__(kLanesBlockThreads, 4) small_seq_fwd_lanes_one_head_kernel(const Params p) {
+__global__ void __launch_bounds__(kLanesBlockThreads, D == 512 ? 3 : 4)
+    small_seq_fwd_lanes_one_head_kernel(const Params p) {
   lanes_walk<D>(p, [&](const LaneTask<D>& lt) { fwd_lanes_one_head_task<T, D, NT>(p, lt); });
 }
 

@@ -128,15 +128,15 @@ __device__ __forceinline__ void lane_axpy(float w, const uint4 (&r)[Lanes<D>::kC
   }
 }
 
-// This lane's chunks of the task's tokens j < NT of `rows` (K or V) that the row attends (ok[j];
-// zeros elsewhere), all loads issued together.
-template <typename T, int D, int NT>
+// This lane's chunks of the task's tokens j0 + j (j < N) of `rows` (K or V) that the row attends
+// (ok[j]; zeros elsewhere), all loads issued together.
+template <typename T, int D, int N>
 __device__ __forceinline__ void load_tokens(const Params& p, const LaneTask<D>& lt, const void* rows,
-                                            bool (&ok)[NT], uint4 (&r)[NT][Lanes<D>::kC]) {
+                                            bool (&ok)[N], uint4 (&r)[N][Lanes<D>::kC], int j0 = 0) {
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    ok[j] = lt.attends(j);
-    load_row<T, D>(static_cast<const T*>(rows) + (ok[j] ? lt.kv_offset(p, j) : 0), ok[j], r[j]);
+  for (int j = 0; j < N; ++j) {
+    ok[j] = lt.attends(j0 + j);
+    load_row<T, D>(static_cast<const T*>(rows) + (ok[j] ? lt.kv_offset(p, j0 + j) : 0), ok[j], r[j]);
   }
 }
 

@@ -152,9 +152,11 @@ int lanes_tokens(int64_t max_len) {
 // bytes per lane, at most 32 (D = 512 up to 8 tokens). The backward also holds, for groups of 1
 // or 2 query heads, the group's P and dS; for larger groups (bwd_lanes_gqa.cuh) float32 dK/dV of
 // every token: up to 4 tokens of one chunk per lane (D <= 256). dispatch.py has the same limits.
-bool lanes_fwd_fits(const SmallSeqArgs& a) { return a.head_dim <= 256 || a.max_len <= 8; }
+// The forward of one query head a task holds K, then V (fwd_lanes_one_head): any D.
+bool lanes_hold_kv(const SmallSeqArgs& a) { return a.head_dim <= 256 || a.max_len <= 8; }
+bool lanes_fwd_fits(const SmallSeqArgs& a, int group) { return group == 1 || lanes_hold_kv(a); }
 bool lanes_bwd_fits(const SmallSeqArgs& a, int group) {
-  return group <= 2 ? lanes_fwd_fits(a) : a.head_dim <= 256 && a.max_len <= 4;
+  return group <= 2 ? lanes_hold_kv(a) : a.head_dim <= 256 && a.max_len <= 4;
 }
 
 // Calls f(std::integral_constant<int, NT>) for the max_len's NT.
@@ -190,14 +192,14 @@ cudaError_t launch_lanes(void (*kernel)(Params), const SmallSeqArgs& a, const Pa
 
 template <typename T, int D>
 cudaError_t fwd_lanes(const SmallSeqArgs& a, const Params& p, cudaStream_t s) {
-  if (!lanes_fwd_fits(a)) return cudaErrorInvalidValue;
+  if (!lanes_fwd_fits(a, p.group)) return cudaErrorInvalidValue;
   return with_tokens(a.max_len, [&](auto nt) -> cudaError_t {
     constexpr int NT = decltype(nt)::value;
+    if constexpr (fwd_lanes_one_head(NT))
+      if (p.group == 1) return launch_lanes<D, true>(small_seq_fwd_lanes_one_head_kernel<T, D, NT>, a, p, s);
     if constexpr (D == 512 && NT > 8) {
       return cudaErrorInvalidValue;
     } else {
-      if constexpr (fwd_lanes_one_head(D, NT))
-        if (p.group == 1) return launch_lanes<D, true>(small_seq_fwd_lanes_one_head_kernel<T, D, NT>, a, p, s);
       return launch_lanes<D, fwd_lanes_persistent(D, NT)>(small_seq_fwd_lanes_kernel<T, D, NT>, a,
                                                           p, s);
     }

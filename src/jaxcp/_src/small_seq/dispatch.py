@@ -5,9 +5,11 @@ and reaches the CUDA handler as the FFI attribute ``kernel`` (visible in the HLO
 Families (ffi/cuda/small_seq/launch.cu):
   lanes     : D/8 lanes per (row, key/value head), K/V in registers, float32 math. Its registers
               hold 2 x NT x D/8/L chunks (NT = max_len rounded up to 2, 4, 8, 12, 16; L = min(32,
-              D/8) lanes), so D = 512 only up to 8 keys; the backward also holds, for groups of
-              1 or 2 query heads, the group's P and dS, and for larger groups float32 dK/dV of
-              every token (the heads stream through): up to 4 keys at D <= 256.
+              D/8) lanes), so D = 512 only up to 8 keys, except in the forward of one query
+              head a task, which holds K, then V (from 12 keys on; at D 512 half the tokens at
+              a time); the backward also holds, for groups of 1 or 2 query heads, the group's P
+              and dS, and for larger groups float32 dK/dV of every token (the heads stream
+              through): up to 4 keys at D <= 256.
   mma       : one warp per (row, key/value head), math on tensor cores; backward groups <= 16.
   cuda_core : one warp per (row, key/value head), float32 math; any group.
 Rule (measured on 4 x H200, 2026-11-27: benchmarks/README.md, small-sequence attention, "Shape
@@ -21,11 +23,12 @@ sweep"; lanes time over mma time, geometric mean over batch sizes and layouts):
     (one H200, 2026-12-02, B 262144, one head): at 16 keys lanes 0.94-0.98x mma forward at D 64,
     1.00x at D 128 (padded), backward 0.90-1.04x at D 64 and 1.02x at D 128: within a run's
     noise, so the rule stands; at 8-12 keys lanes 0.57-0.91x mma forward;
-  - one query head a task (MHA, any head count), forward: from 12 keys on at D <= 256 the lane
-    group loads V into K's registers once the scores are summed (128 registers, 4 blocks an SM
-    instead of 2-3); lanes 0.57-0.90x mma over 12 and 16 keys, all 45 points of 1/1, 4/4, 8/8 and
-    32/32 heads at D 64-256 (one H200, 2026-12-03, B 16384 and 262144, padded and ragged) -> lanes
-    up to 16 keys there (the backward keeps the rule above);
+  - one query head a task (MHA, any head count), forward: from 12 keys on the lane group loads V
+    into K's registers once the scores are summed (128 registers, 4 blocks an SM instead of 2-3;
+    at D 512 half the tokens a register set, 3 blocks); lanes 0.57-0.90x mma over 12 and 16 keys,
+    all 45 points of 1/1, 4/4, 8/8 and 32/32 heads at D 64-256 (one H200, 2026-12-03, B 16384 and
+    262144, padded and ragged), 0.64-0.75x on the 7 points of 1/1 and 4/4 heads at D 512 (B 16384)
+    -> lanes up to 16 keys at any D (the backward keeps the rule above);
   - groups of 3-4 heads, forward: lanes 0.6-0.8x mma up to 4 keys at D <= 128, even or behind
     otherwise (its float32 work grows with the group) -> lanes up to 4 keys at D <= 128; with
     lane groups walking several rows, 4/1 heads at B 262144 (2026-12-02): lanes 1.11-1.74x mma at
@@ -58,21 +61,24 @@ LANES_MAX_GROUP = 2  # the lane-group backward's register arrays hold 1 or 2 hea
 LANES_GQA_BWD_MAX_LEN, LANES_GQA_BWD_MAX_DIM = 4, 256  # larger groups: float32 dK/dV per token
 LANES_MAX_LEN = 12  # above this many keys (its 16-token registers) mma ties or wins
 # One query head a task (MHA): the forward loads V into K's registers (fwd_lanes_one_head) and
-# wins up to 16 keys at D <= 256
-LANES_ONE_HEAD_MAX_LEN, LANES_ONE_HEAD_MAX_DIM = 16, 256
+# wins up to 16 keys at every head dim
+LANES_ONE_HEAD_MAX_LEN = 16
 LANES_GQA_MAX_GROUP, LANES_GQA_MAX_LEN, LANES_GQA_MAX_DIM = 4, 4, 128  # lanes forward for GQA
 MMA_BWD_MAX_GROUP = 16  # the tensor-core backward keeps the dS of at most 16 heads in registers
 
 
 def lanes_fit(head_dim: int, max_len: int) -> bool:
-  """Whether the lane-group kernels hold a task's K/V in registers (launch.cu lanes_fwd_fits)."""
+  """Whether the lane-group kernels hold a task's K and V in registers together (launch.cu
+  lanes_hold_kv)."""
   return head_dim <= 256 or max_len <= 8
 
 
 def available(direction: str, family: str, group: int, head_dim: int, max_len: int) -> bool:
   """Whether `family` can run the forward ("fwd") or backward ("bwd") of this shape."""
   if family == "lanes":
-    if direction == "fwd" or group <= LANES_MAX_GROUP:
+    if direction == "fwd":  # one query head a task holds K, then V (fwd_lanes_one_head): any D
+      return group == 1 or lanes_fit(head_dim, max_len)
+    if group <= LANES_MAX_GROUP:
       return lanes_fit(head_dim, max_len)
     return max_len <= LANES_GQA_BWD_MAX_LEN and head_dim <= LANES_GQA_BWD_MAX_DIM
   if family == "mma":
@@ -83,7 +89,7 @@ def available(direction: str, family: str, group: int, head_dim: int, max_len: i
 def default_fwd(group: int, head_dim: int, max_len: int) -> str:
   if group <= LANES_MAX_GROUP and max_len <= LANES_MAX_LEN and lanes_fit(head_dim, max_len):
     return "lanes"
-  if group == 1 and max_len <= LANES_ONE_HEAD_MAX_LEN and head_dim <= LANES_ONE_HEAD_MAX_DIM:
+  if group == 1 and max_len <= LANES_ONE_HEAD_MAX_LEN:
     return "lanes"
   if group <= LANES_GQA_MAX_GROUP and max_len <= LANES_GQA_MAX_LEN and head_dim <= LANES_GQA_MAX_DIM:
     return "lanes"
