@@ -89,7 +89,7 @@ def _padded_case(rng, dtype, d, s, hq, hkv, b, v_scale=1.0, dout_scale=1.0):
     (jnp.bfloat16, 64, 14, 2, 1, 700),     # lanes: group 2, 14 keys in its 16-token registers
     (jnp.float16, 512, 8, 2, 2, 300),      # lanes: D 512 (two chunks per lane), 8 keys
     (jnp.bfloat16, 256, 2, 1, 1, 1000),    # lanes: one head, one lane group per warp
-    (jnp.bfloat16, 64, 16, 4, 4, 1000),    # lanes: one head over 16 keys, K loaded into V's registers
+    (jnp.bfloat16, 64, 16, 4, 4, 1000),    # lanes: one head over 16 keys in its 16-token registers
     (jnp.bfloat16, 128, 7, 3, 3, 999),     # lanes: two tasks per warp, the last warp half empty
     (jnp.bfloat16, 64, 4, 16, 4, 1000),    # lanes, group 4: four tasks per warp, heads streamed
     (jnp.float16, 128, 3, 9, 3, 999),      # lanes, group 3, odd max_len, the last warp half empty

@@ -83,8 +83,9 @@ __device__ __forceinline__ void fwd_lanes_task(const Params& p, const LaneTask<D
 
 // Rows of one query head: V is loaded into K's registers once the scores are summed, so a lane
 // holds one of them at a time; at D 512 (two chunks a lane) half the tokens at a time. At 12-16
-// tokens the kernel keeps to 128 registers at D <= 256 (4 blocks of 4 warps an SM, against 3 at 12
-// tokens and 2 at 16 holding both), and the warps of the extra blocks load while others compute.
+// tokens the kernel keeps to 128 registers at D <= 256 (8 bytes spilled at 16; 4 blocks of 4 warps
+// an SM, against 3 at 12 tokens and 2 at 16 holding both), and the warps of the extra blocks load
+// while others compute; at D 512 164-168 (76 bytes spilled at 16), 3 blocks.
 template <typename T, int D, int NT>
 __device__ __forceinline__ void fwd_lanes_one_head_task(const Params& p, const LaneTask<D>& lt) {
   constexpr int L = Lanes<D>::kL, C = Lanes<D>::kC;
