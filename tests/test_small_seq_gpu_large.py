@@ -39,6 +39,16 @@ def _cuda_matches_xla(f, q, k, v, dout, dtype):
   return out, grads
 
 
+def _check_uncovered_zero(grads, cu, lens, max_len, t):
+  """dK and dV are exactly zero on the tokens that no row i < len(lens) covers (row i: tokens
+  cu[i] .. cu[i] + min(lens[i], max_len))."""
+  covered = np.zeros(t, bool)
+  for i, n in enumerate(lens):
+    covered[cu[i]:cu[i] + min(int(n), max_len)] = True
+  for g in grads[1:]:
+    np.testing.assert_array_equal(np.asarray(g, np.float32)[~covered], 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d,s,hq,hkv,b", [
     (jnp.bfloat16, 64, 8, 4, 2, 80000),     # ~90 tasks per warp: many 32-task windows
@@ -79,11 +89,7 @@ def test_gpu_many_tasks_ragged(dtype, d, hq, hkv):
   f = lambda impl: lambda q, k, v: small_seq_attention(q, k, v, kv_cu_seqlens=cu,
                                                        implementation=impl)
   out, grads = _cuda_matches_xla(f, q, k, v, dout, dtype)
-  covered = np.zeros(t, bool)
-  for i in range(b):
-    covered[cu[i]:cu[i] + min(int(lens[i]), 16)] = True
-  for g in grads[1:]:
-    np.testing.assert_array_equal(np.asarray(g, np.float32)[~covered], 0)
+  _check_uncovered_zero(grads, cu, lens, 16, t)
 
 
 @pytest.mark.gpu
@@ -124,8 +130,4 @@ def test_gpu_ragged_decreasing_cu_seqlens(max_kv_len, hq, hkv, d):
                                                        implementation=impl)
   out, grads = _cuda_matches_xla(f, q, k, v, dout, dtype)
   np.testing.assert_array_equal(np.asarray(out, np.float32)[b // 2:], 0)
-  covered = np.zeros(t, bool)
-  for i in range(b // 2):
-    covered[cu[i]:cu[i] + min(int(lens[i]), max_kv_len)] = True
-  for g in grads[1:]:
-    np.testing.assert_array_equal(np.asarray(g, np.float32)[~covered], 0)
+  _check_uncovered_zero(grads, cu, lens, max_kv_len, t)
