@@ -3,7 +3,7 @@ every kernel and memset of the last two calls, with its duration and the idle ga
 then the span of those calls against their busy time. Unlike tools/gpu_kernel_times.sh (ncu,
 each kernel alone on an idle GPU) it shows memsets and gaps, at the clocks of a busy GPU.
 
-  python3 tools/gpu_timeline.py "2x8k doc1k" [--bwd]
+  python3 tools/gpu_timeline.py "2x8k doc1k" [--bwd] [--fa3]
 """
 import argparse
 import glob
@@ -33,8 +33,9 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("case", help="a benchmark case's name (profile_case.py's att: cases)")
   ap.add_argument("--bwd", action="store_true", help="forward+backward instead of forward")
+  ap.add_argument("--fa3", action="store_true", help="FlashAttention-3 instead of jaxcp")
   a = ap.parse_args()
-  fn, args = profile_case.attention_fn(a.case, a.bwd)
+  fn, args = profile_case.attention_fn(a.case, a.bwd, a.fa3)
   for _ in range(4):
     jax.block_until_ready(fn(*args))
   trace_dir = tempfile.mkdtemp()
