@@ -102,11 +102,16 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
     // of a key tile together, so under a causal mask the blocks of a long document walk the
     // queries of every head of the chunk at once: on 2 x 8k single documents, 16 heads, chunks of
     // 8 heads made the kernel read 1.7x the DRAM bytes of FlashAttention-3's (which runs 4), and
-    // forward+backward was 0.6-1.1% slower than with chunks of 4 (H200). Reduced to a divisor
-    // of the pairs that is a multiple of splits.
+    // forward+backward was 0.6-1.1% slower than with chunks of 4 (H200). Never below 2 pairs:
+    // with one head a chunk, the last chunk's heaviest block (the first key tile of the longest
+    // document) can outlast the chunk's share of each SM (1 x 32k, lognormal documents of mean
+    // 2k: 256 blocks, the heaviest 194 steps, 106 a SM); 2 made forward+backward 1.6% faster
+    // there, 0.4-0.8% on 1x64k doc1k, 0.2-0.3% slower on single documents of 32k and 64k (H200).
+    // Reduced to a divisor of the pairs that is a multiple of splits.
     if (r.sm90) {
       const int64_t pair_bytes = s.q_len * (G / r.splits) * (s.head_dim * 6 + s.v_dim() * 2);
-      const int64_t fit = std::max<int64_t>(kBwdL2Bytes / std::max<int64_t>(pair_bytes, 1), r.splits);
+      const int64_t fit = std::max<int64_t>(kBwdL2Bytes / std::max<int64_t>(pair_bytes, 1),
+                                            std::max<int64_t>(2, r.splits));
       if (hc > fit)
         while (hc > r.splits && (hc > fit || pairs % hc != 0 || hc % r.splits != 0)) --hc;
     }
