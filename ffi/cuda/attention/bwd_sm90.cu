@@ -423,6 +423,90 @@ __forceinline__ __device__ void bwd_sm90_epilogue(const BwdSm90Params<KT>& P, ty
   store_key_tiles(P, ss, w, tidx, mma_dk, mma_dv, acc_dk, acc_dv);
 }
 
+// The key side of this thread's S^T elements (its rows): segment and position of each key, or
+// invalid past the key tile's end.
+template <int kRows, class Coords>
+__forceinline__ __device__ void key_masks(const BwdParams& p, const BwdBlock& w, const Coords& rc, ColMask (&cm)[kRows]) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    const int r = get<0>(rc(mi, 0));
+    const bool valid = r < w.kv_rows;
+    const int64_t idx = static_cast<int64_t>(w.b) * p.Skv + w.k0 + (valid ? r : 0);
+    cm[mi] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx]);
+  }
+}
+
+// P^T = exp2(S^T scale - lse2) in place of S^T (rows: keys, columns: queries), masked on partial
+// tiles (rows past the sequence ends are masked there too, and their lse2 is +inf). Branch-free:
+// exp2 of every score, then a select.
+template <int kRows, int kCols, class SRowCol, class Coords>
+__forceinline__ __device__ void probabilities_t(SRowCol& s_rc, const Coords& rc, const float* lse2, float scale_log2,
+                                                bool partial, const RowMask* q_masks, const ColMask (&cm)[kRows]) {
+  if (partial) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < kCols; ++ni) {
+      const int col = get<1>(rc(0, ni));
+      const float l = lse2[col];
+      const RowMask rm = q_masks[col];
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        const float e = exp2f(fmaf(s_rc(mi, ni), scale_log2, -l));
+        s_rc(mi, ni) = allowed(rm, cm[mi]) ? e : 0.f;
+      }
+    }
+  } else {
+    CUTE_UNROLL
+    for (int ni = 0; ni < kCols; ++ni) {
+      const float l = lse2[get<1>(rc(0, ni))];
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) s_rc(mi, ni) = exp2f(fmaf(s_rc(mi, ni), scale_log2, -l));
+    }
+  }
+}
+
+// dQ += dS K of one step, this warpgroup's half, reduce-added from the registers in the fragment
+// order of the dQ tiles (the split-D designs, which have no room for a float32 dQ tile in shared
+// memory). Deterministic (dq_sem set): both warpgroups add within this block's turn on the tile.
+template <class KT, class AccDq>
+__forceinline__ __device__ void add_dq_from_registers(const BwdParams& p, const BwdBlock& w, int h, int i, int tidx,
+                                                      const AccDq& acc_dq) {
+  constexpr int kChunks = decltype(size(acc_dq))::value / 4;
+  const int wg = tidx / 128, t_wg = tidx % 128;
+  float* gdq = p.dq_accum + dq_tile_offset(p, w.b, h, i, KT::kBM * KT::kD) + (wg * kChunks * 128 + t_wg) * 4;
+  const bool ordered = p.dq_sem != nullptr;
+  DqTurn turn{nullptr, 0};
+  if (ordered) {
+    if (tidx == 0) {
+      turn = dq_turn(p, w.b, h, w.n_block, i);
+      take_turn(turn.sem, turn.ticket);
+    }
+    cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
+  }
+  CUTE_UNROLL
+  for (int ch = 0; ch < kChunks; ++ch)
+    red_add_v4(gdq + ch * 512, acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
+  if (ordered) {
+    __threadfence();  // every thread's adds, before the turn passes on
+    cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
+    if (tidx == 0) release_turn(turn.sem, turn.ticket + 1);
+  }
+}
+
+// dQ += dS K of one step (unscaled), handed to the writer warp: this warpgroup's fragments into
+// its half of the shared dQ tile once the writer has emptied it; the writer issues the bulk
+// reduce-add.
+template <class KT, class AccDq>
+__forceinline__ __device__ void hand_dq_to_writer(typename KT::SharedStorage& ss, int wg, int t_wg, const AccDq& acc_dq) {
+  constexpr int kChunks = decltype(size(acc_dq))::value / 4;
+  float4* sdq = reinterpret_cast<float4*>(ss.dq.data()) + wg * kChunks * 128;
+  cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQEmpty + wg);
+  CUTE_UNROLL
+  for (int ch = 0; ch < kChunks; ++ch)
+    sdq[ch * 128 + t_wg] = make_float4(acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQFull + wg);
+}
+
 // The two consumer warpgroups: every step's GEMMs, P^T and dS^T, dQ handed to the writer warp (or
 // added by the consumers themselves at D 192 and 256), then the epilogue.
 template <class KT>
@@ -463,13 +547,7 @@ __forceinline__ __device__ void bwd_sm90_consumers(const BwdSm90Params<KT>& P, t
 
   if (any_work) {
     ColMask cm[kRows];
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      const int r = get<0>(coords(tidx)(mi, 0));
-      const bool valid = r < w.kv_rows;
-      const int64_t idx = static_cast<int64_t>(w.b) * p.Skv + w.k0 + (valid ? r : 0);
-      cm[mi] = make_col_mask(valid, p.kv_seg[idx], p.kv_pos[idx]);
-    }
+    key_masks(p, w, coords(tidx), cm);
     TxBarrier::wait(&ss.kv_full, 0);
     typename PipelineQ::PipelineState read_q;
     typename PipelineDO::PipelineState read_do_own;
@@ -553,28 +631,7 @@ __forceinline__ __device__ void bwd_sm90_consumers(const BwdSm90Params<KT>& P, t
       }
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_s);
-      // P^T, masked on partial tiles (rows past the sequence ends are masked there too, and
-      // their lse2 is +inf). Branch-free: exp2 of every score, then a select.
-      if (c == kPartial) {
-        CUTE_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) {
-          const int col = get<1>(tScS_rc(0, ni));
-          const float l = lse2[col];
-          const RowMask rm = q_masks[col];
-          CUTE_UNROLL
-          for (int mi = 0; mi < kRows; ++mi) {
-            const float e = exp2f(fmaf(s_rc(mi, ni), p.scale_log2, -l));
-            s_rc(mi, ni) = allowed(rm, cm[mi]) ? e : 0.f;
-          }
-        }
-      } else {
-        CUTE_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) {
-          const float l = lse2[get<1>(tScS_rc(0, ni))];
-          CUTE_UNROLL
-          for (int mi = 0; mi < kRows; ++mi) s_rc(mi, ni) = exp2f(fmaf(s_rc(mi, ni), p.scale_log2, -l));
-        }
-      }
+      probabilities_t<kRows, kCols>(s_rc, tScS_rc, lse2, p.scale_log2, c == kPartial, q_masks, cm);
       if constexpr (!KT::kSplitD) {
         // dS^T = P^T (dP^T - delta) from the float32 P^T, then both to 16 bits; dS^T goes to shared
         // memory for dQ before dV += P^T dO is issued. (At D 64, 128 queries a tile, holding both
@@ -597,15 +654,7 @@ __forceinline__ __device__ void bwd_sm90_consumers(const BwdSm90Params<KT>& P, t
         wgmma_issue<false>(mma_dk, tdKrdS, tdKrQ(_, _, _, st), acc_dk);
         warpgroup_wait<1>();  // dQ done, dK still running
         warpgroup_fence_operand(acc_dq);
-        // dQ += dS K (unscaled): fragments -> shared; the writer warp issues the bulk reduce-add.
-        constexpr int kChunks = decltype(size(acc_dq))::value / 4;
-        float4* sdq = reinterpret_cast<float4*>(ss.dq.data()) + wg * kChunks * 128;
-        cutlass::arch::NamedBarrier::sync(KT::kDQSyncThreads, KT::kBarDQEmpty + wg);
-        CUTE_UNROLL
-        for (int ch = 0; ch < kChunks; ++ch)
-          sdq[ch * 128 + t_wg] = make_float4(acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(KT::kDQSyncThreads, KT::kBarDQFull + wg);
+        hand_dq_to_writer<KT>(ss, wg, t_wg, acc_dq);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
@@ -634,27 +683,7 @@ __forceinline__ __device__ void bwd_sm90_consumers(const BwdSm90Params<KT>& P, t
         warpgroup_wait<1>();  // dV and dQ done (dO is free), dK still running
         warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(read_do);
-        // dQ += dS K (unscaled), this warpgroup's half, in the fragment order of the dQ tiles.
-        // Deterministic (dq_sem set): both warpgroups add within this block's turn on the tile.
-        constexpr int kChunks = decltype(size(acc_dq))::value / 4;
-        float* gdq = p.dq_accum + dq_tile_offset(p, w.b, step.h, i, BM * D) + (wg * kChunks * 128 + t_wg) * 4;
-        const bool ordered = p.dq_sem != nullptr;
-        DqTurn turn{nullptr, 0};
-        if (ordered) {
-          if (tidx == 0) {
-            turn = dq_turn(p, w.b, step.h, w.n_block, i);
-            take_turn(turn.sem, turn.ticket);
-          }
-          cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
-        }
-        CUTE_UNROLL
-        for (int ch = 0; ch < kChunks; ++ch)
-          red_add_v4(gdq + ch * 512, acc_dq(4 * ch), acc_dq(4 * ch + 1), acc_dq(4 * ch + 2), acc_dq(4 * ch + 3));
-        if (ordered) {
-          __threadfence();  // every thread's adds, before the turn passes on
-          cutlass::arch::NamedBarrier::sync(KT::kConsumerThreads, KT::kBarTurn);
-          if (tidx == 0) release_turn(turn.sem, turn.ticket + 1);
-        }
+        add_dq_from_registers<KT>(p, w, step.h, i, tidx, acc_dq);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dv);
         warpgroup_fence_operand(acc_dk);
