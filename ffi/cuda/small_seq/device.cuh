@@ -230,6 +230,9 @@ struct Task {
   uint32_t mask;
 };
 
+// The softmax's scale for exp2: scores * scale * log2(e).
+__device__ __forceinline__ float exp2_scale(const Params& p) { return p.scale * 1.4426950408889634f; }
+
 // Row b's first token, clamped into [0, tokens]; without kv_start (the padded layout's default)
 // b * max_len.
 __device__ __forceinline__ int64_t row_start(const Params& p, int64_t b) {

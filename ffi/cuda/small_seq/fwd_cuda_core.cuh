@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
 
   // Scores and softmax: probabilities to smem and (once) to global memory.
   const ScoreLanes S(lane, ML, G);
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float scale_log2 = exp2_scale(p);
   for (int h0 = 0; h0 < G; h0 += S.hpp) {
     const int h = h0 + S.hs;
     const bool valid = h < G && S.j < t.len && allowed(t.mask, S.j);

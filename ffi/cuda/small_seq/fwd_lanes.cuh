@@ -55,7 +55,7 @@ __device__ __forceinline__ void fwd_lanes_task(const Params& p, const LaneTask<D
   bool ok[NT];
   load_row<T, D>(q, lt.has, qr);
   load_kv<T, D, NT>(p, lt, ok, kr, vr);
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float scale_log2 = exp2_scale(p);
 
   for (int h = 0; h < G; ++h) {
 #pragma unroll
@@ -107,7 +107,7 @@ __device__ __forceinline__ void fwd_lanes_one_head_task(const Params& p, const L
     }
   }
   group_sum<L>(s);
-  softmax_in_place(s, ok, p.scale * 1.4426950408889634f);
+  softmax_in_place(s, ok, exp2_scale(p));
   float o[C][8] = {};
 #pragma unroll
   for (int j0 = 0; j0 < NT; j0 += N) {

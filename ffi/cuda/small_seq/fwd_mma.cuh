@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32)
   for (int tt = 0; tt < NT; ++tt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) ok[tt][e] = attends(8 * tt + qc + e);
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float scale_log2 = exp2_scale(p);
   const bool pair_store = ML % 2 == 0 && (reinterpret_cast<uintptr_t>(p.probs_out) & 7) == 0;
   T* out = static_cast<T*>(p.out);
 
