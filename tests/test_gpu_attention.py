@@ -84,6 +84,15 @@ def test_dtypes_and_gqa(dtype, heads):
   _compare(*_qkv(1, 2, 513, 513, *heads, 128, dtype), dtype, segment_ids=seg, is_causal=True)
 
 
+def test_forward_head_sections():
+  """The sm_90a forward takes its work in sections of heads whose K/V over the widest tile's
+  keys fit its L2 budget (32 MB): a 12300-token document at D 256 fits 2 of the 5 kv heads, so
+  its 10 query heads (groups of 2) run in sections of 4, 4 and 2, the last one short."""
+  seg = np.concatenate([np.full(12300, 1), np.full(500, 2)]).astype(np.int32)[None]
+  _compare(*_qkv(2, 1, seg.shape[1], seg.shape[1], 10, 5, 256, jnp.bfloat16), jnp.bfloat16, backward=False,
+           segment_ids=seg, is_causal=True)
+
+
 @pytest.mark.parametrize("case", ["f16_mqa", "gqa_split", "cross", "empty_rows"])
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_backward_tile_designs(head_dim, case):

@@ -104,7 +104,8 @@ struct alignas(16) DocTile {
 // Tile slots per batch row: an upper bound on the tiles of a row of len tokens.
 int doc_tile_capacity(int64_t len);
 // Workspace of the plan: anchor_bits [B, ceil(Sq / 32)], starts [B, capacity], counts [B],
-// offsets [B], total [1] (tiles of all rows), tiles [B * capacity] (the first *total used, row
+// offsets [B], total [1] (tiles of all rows), widest_keys [1] (the most keys a tile attends,
+// kv_hi - kv_lo), tiles [B * capacity] (the first *total used, row
 // by row, each row's in increasing q0), key_windows [B, Skv] (the summary of keys
 // [x, x + block N) for every key x).
 struct DocTileWorkspace {
@@ -114,6 +115,7 @@ struct DocTileWorkspace {
   int* counts;
   int* offsets;
   int* total;
+  int* widest_keys;
   DocTile* tiles;
 };
 // Builds the plan for queries `q` against keys `kv` (kv.tile = the kernel's block N, n_kv_tiles

@@ -100,7 +100,8 @@ __device__ void stretch_starts(int64_t lo, int64_t hi, int64_t cur, Emit&& emit)
 __global__ void __launch_bounds__(kStartThreads) doc_tile_starts_kernel(const uint32_t* __restrict__ bits,
                                                                         int64_t len, int64_t words, int capacity,
                                                                         bool fixed_grid, int* __restrict__ starts,
-                                                                        int* __restrict__ counts) {
+                                                                        int* __restrict__ counts,
+                                                                        int* __restrict__ widest_keys) {
   using Scan = cub::BlockScan<int64_t, kStartThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   const int64_t b = blockIdx.x;
@@ -145,6 +146,7 @@ __global__ void __launch_bounds__(kStartThreads) doc_tile_starts_kernel(const ui
     for (int64_t i = threadIdx.x; i < total; i += kStartThreads) out[i] = static_cast<int>(i * kFwdBlockM);
   }
   if (threadIdx.x == 0) counts[b] = static_cast<int>(total);
+  if (b == 0 && threadIdx.x == 0) *widest_keys = 0;  // raised by the plan kernel, which runs next
 }
 
 // offsets[b] = tiles of the rows before b; *total = tiles of all rows.
@@ -190,7 +192,7 @@ __device__ int2 block_min_max(int mn, int mx) {
 __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
     const int* __restrict__ starts, const int* __restrict__ counts, const int* __restrict__ offsets, int capacity,
     TileTokens q, const TileSummary* __restrict__ windows, int64_t n_kv_tiles, TileTokens kv, MaskParams mask,
-    int64_t batch, DocTile* __restrict__ tiles, int* __restrict__ total) {
+    int64_t batch, DocTile* __restrict__ tiles, int* __restrict__ total, int* __restrict__ widest_keys) {
   __shared__ int32_t row_seg[kFwdBlockM];
   __shared__ TileSummary sum_part[kPlanThreads / 32];
   __shared__ int offset_part[kPlanThreads / 32];
@@ -327,9 +329,11 @@ __global__ void __launch_bounds__(kPlanThreads) doc_tile_plan_kernel(
   }
   if (kv_lo >= kv_hi) kv_lo = kv_hi = 0;
   const TileSummary qsum = runs == 1 ? sum : rows_summary(0, rows);
-  if (t == 0)
+  if (t == 0) {
     tiles[offset + i] = DocTile{static_cast<int>(b), q0, rows, static_cast<int>(kv_lo),
                                 static_cast<int>(kv_hi), {0, 0, 0}, qsum};
+    atomicMax(widest_keys, static_cast<int>(kv_hi - kv_lo));
+  }
 }
 
 }  // namespace
@@ -362,7 +366,7 @@ cudaError_t launch_doc_tile_plan(const TileTokens& q, int64_t n_kv_tiles, const 
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   doc_tile_starts_kernel<<<static_cast<unsigned>(batch), kStartThreads, 0, stream>>>(
-      ws.anchor_bits, q.len, words, capacity, fixed_grid, ws.starts, ws.counts);
+      ws.anchor_bits, q.len, words, capacity, fixed_grid, ws.starts, ws.counts, ws.widest_keys);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   const bool inline_offsets = batch <= kInlineOffsetRows;
   if (!inline_offsets) {
@@ -371,7 +375,8 @@ cudaError_t launch_doc_tile_plan(const TileTokens& q, int64_t n_kv_tiles, const 
   }
   doc_tile_plan_kernel<<<dim3(static_cast<unsigned>(capacity), static_cast<unsigned>(batch)), kPlanThreads, 0,
                          stream>>>(ws.starts, ws.counts, inline_offsets ? nullptr : ws.offsets, capacity, q,
-                                   ws.key_windows, n_kv_tiles, kv, mask, batch, ws.tiles, ws.total);
+                                   ws.key_windows, n_kv_tiles, kv, mask, batch, ws.tiles, ws.total,
+                                   ws.widest_keys);
   return cudaGetLastError();
 }
 

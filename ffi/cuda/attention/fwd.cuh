@@ -30,6 +30,7 @@ struct FwdParams {
   int* tile_counter;          // the sm_90a kernel's next-tile counter (zeroed per call)
   const DocTile* doc_tiles;   // the sm_90a kernel's query tiles (launch_doc_tile_plan)
   const int* doc_total;       // how many of them
+  const int* doc_widest_keys; // the most keys any of them attends (kv_hi - kv_lo)
   const TileSummary* key_windows;  // [B, Skv]: keys [x, x + block N) (launch_doc_tile_plan)
   int nq, nkv;                // nq: query tiles per row (sm_90a kernel: tile slots per row)
 };

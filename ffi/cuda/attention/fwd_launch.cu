@@ -12,7 +12,7 @@ namespace detail {
 // sm_90a kernel's document tiles (doc_*); key summaries sized for the narrower key tiles.
 struct FwdPlanLayout {
   size_t q_sum, kv_sum, q_range, order, bytes;
-  size_t doc_windows, doc_bits, doc_starts, doc_counts, doc_offsets, doc_total, doc_tiles;
+  size_t doc_windows, doc_bits, doc_starts, doc_counts, doc_offsets, doc_total, doc_widest_keys, doc_tiles;
 };
 
 FwdPlanLayout fwd_plan_layout(const AttentionShape& s) {
@@ -30,6 +30,7 @@ FwdPlanLayout fwd_plan_layout(const AttentionShape& s) {
   r.doc_counts = w.take(sizeof(int) * s.batch);
   r.doc_offsets = w.take(sizeof(int) * s.batch);
   r.doc_total = w.take(sizeof(int));
+  r.doc_widest_keys = w.take(sizeof(int));
   r.doc_tiles = w.take(sizeof(DocTile) * slots);
   r.bytes = w.bytes;
   return r;
@@ -50,7 +51,8 @@ FwdPlanPointers fwd_plan_pointers(const FwdPlanLayout& l, void* plan) {
           DocTileWorkspace{reinterpret_cast<TileSummary*>(base + l.doc_windows),
                            reinterpret_cast<uint32_t*>(base + l.doc_bits), reinterpret_cast<int*>(base + l.doc_starts),
                            reinterpret_cast<int*>(base + l.doc_counts), reinterpret_cast<int*>(base + l.doc_offsets),
-                           reinterpret_cast<int*>(base + l.doc_total), reinterpret_cast<DocTile*>(base + l.doc_tiles)}};
+                           reinterpret_cast<int*>(base + l.doc_total), reinterpret_cast<int*>(base + l.doc_widest_keys),
+                           reinterpret_cast<DocTile*>(base + l.doc_tiles)}};
 }
 
 // The kernels' tiling for these arguments; false for arguments no kernel takes (the launchers
@@ -167,6 +169,7 @@ cudaError_t attention_fwd(const AttentionArgs& a, DType dtype, const void* q, co
   p.tile_counter = tile_counter;
   p.doc_tiles = pl.doc.tiles;
   p.doc_total = pl.doc.total;
+  p.doc_widest_keys = pl.doc.widest_keys;
   p.key_windows = pl.doc.key_windows;
   p.nq = t.sm90 ? doc_tile_capacity(s.q_len) : static_cast<int>(t.nq);  // sm_90a: tile slots per row
   p.nkv = static_cast<int>(t.nkv);
