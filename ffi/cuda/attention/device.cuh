@@ -105,9 +105,8 @@ struct alignas(16) DocTile {
 int doc_tile_capacity(int64_t len);
 // Workspace of the plan: anchor_bits [B, ceil(Sq / 32)], starts [B, capacity], counts [B],
 // offsets [B], total [1] (tiles of all rows), widest_keys [1] (the most keys a tile attends,
-// kv_hi - kv_lo), tiles [B * capacity] (the first *total used, row
-// by row, each row's in increasing q0), key_windows [B, Skv] (the summary of keys
-// [x, x + block N) for every key x).
+// kv_hi - kv_lo), tiles [B * capacity] (the first *total used, row by row, each row's in
+// increasing q0), key_windows [B, Skv] (the summary of keys [x, x + block N) for every key x).
 struct DocTileWorkspace {
   TileSummary* key_windows;
   uint32_t* anchor_bits;
