@@ -104,7 +104,7 @@ BwdPlan bwd_plan(const AttentionArgs& a) {
     // 8 heads made the kernel read 1.7x the DRAM bytes of FlashAttention-3's (which runs 4), and
     // forward+backward was 0.6-1.1% slower than with chunks of 4 (H200). Never below 2 pairs:
     // with one head a chunk, the last chunk's heaviest block (the first key tile of the longest
-    // document) can outlast the chunk's share of each SM (1 x 32k, lognormal documents of mean
+    // document) can outlast the chunk's share of each SM (1 x 32k, exponential documents of mean
     // 2k: 256 blocks, the heaviest 194 steps, 106 a SM); 2 made forward+backward 1.6% faster
     // there, 0.4-0.8% on 1x64k doc1k, 0.2-0.3% slower on single documents of 32k and 64k (H200).
     // Reduced to a divisor of the pairs that is a multiple of splits.

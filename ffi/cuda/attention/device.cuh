@@ -18,6 +18,7 @@
 #include "common/attention_shape.h"
 #include "common/mask.h"
 #include "cuda/device_query.h"
+#include "cuda/math_constants.h"
 #include "launchers.h"
 
 namespace jaxcp::cuda {
@@ -41,9 +42,6 @@ constexpr bool sm90_head_dim(int64_t d) { return sm80_head_dim(d) || d == 96 || 
 // (DeepSeek-V2/V3), in the sm_90a kernels only (forward, and the non-deterministic backward).
 // Every other pair pads V to d.
 constexpr bool sm90_value_head_dim(int64_t d, int64_t dv) { return d == 192 && dv == 128; }
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 inline int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/math_constants.h"
 #include "cuda/vector_store.cuh"
 #include "cutlass/fast_math.h"
 
@@ -231,7 +232,7 @@ struct Task {
 };
 
 // The softmax's scale for exp2: scores * scale * log2(e).
-__device__ __forceinline__ float exp2_scale(const Params& p) { return p.scale * 1.4426950408889634f; }
+__device__ __forceinline__ float exp2_scale(const Params& p) { return p.scale * kLog2e; }
 
 // Row b's first token, clamped into [0, tokens]; without kv_start (the padded layout's default)
 // b * max_len.
